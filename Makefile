@@ -1,0 +1,34 @@
+# Two commands do everything on a fresh machine with Python 3.11 and pip:
+#   make demo   - create .venv, install ckptmgr, run examples/quickstart.py
+#   make test   - the whole test suite (lint first), in the same .venv
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check ckptmgr tests examples benchmarks
+	$(PY) -m ruff format --check ckptmgr tests examples benchmarks
+
+format: $(STAMP)
+	$(PY) -m ruff format ckptmgr tests examples benchmarks
+	$(PY) -m ruff check --fix ckptmgr tests examples benchmarks
+
+test: lint
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_save.py
+
+clean:
+	rm -rf $(VENV) checkpoints .pytest_cache

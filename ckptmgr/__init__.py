@@ -1,0 +1,41 @@
+"""ckptmgr: crash-safe, asynchronous checkpoint management for PyTorch training loops.
+
+Everything public is importable from here::
+
+    from ckptmgr import CheckpointManager, prime_optimizer
+"""
+
+from ckptmgr._version import __version__
+from ckptmgr.config import CheckpointConfig
+from ckptmgr.errors import CheckpointError, StepNotFoundError
+from ckptmgr.manager import CheckpointManager
+from ckptmgr.optimizer import prime_optimizer
+from ckptmgr.preemption import PreemptionConfig
+from ckptmgr.record import CommitRecord
+from ckptmgr.retention import (
+    AnyOf,
+    CheckpointInfo,
+    KeepAll,
+    KeepLatest,
+    RetentionPolicy,
+)
+from ckptmgr.stateful import RNGState, StateDict, Stateful
+
+__all__ = [
+    "AnyOf",
+    "CheckpointConfig",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CommitRecord",
+    "KeepAll",
+    "KeepLatest",
+    "PreemptionConfig",
+    "RNGState",
+    "RetentionPolicy",
+    "StateDict",
+    "Stateful",
+    "StepNotFoundError",
+    "__version__",
+    "prime_optimizer",
+]

@@ -1,0 +1,70 @@
+"""The few collectives the manager needs, with single-process fallbacks.
+
+Background saves run their collectives on a dedicated gloo group, so they can never interleave
+with (or deadlock against) collectives the training loop issues on its own group.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Collectives:
+    """Rank information and object collectives over the manager's process group."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None, timeout_s: float) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = process_group
+        if not self.distributed:
+            if process_group is not None:
+                raise ValueError("process_group was given but torch.distributed is not initialised")
+            self.rank, self.world_size = 0, 1
+            self.background_group: dist.ProcessGroup | None = None
+            self.control_group: dist.ProcessGroup | None = None
+            return
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        timeout = _dt.timedelta(seconds=timeout_s)
+        # new_group is collective over the default group: every rank constructs the manager.
+        self.background_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        self.control_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+
+    @property
+    def is_coordinator(self) -> bool:
+        """True on the rank that writes commit records and deletes steps."""
+        return self.rank == 0
+
+    def broadcast(self, obj: Any, group: dist.ProcessGroup | None) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed or self.world_size == 1:
+            return obj
+        box = [obj]
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    def all_gather(self, obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        if not self.distributed or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any rank (one 1-element all_reduce)."""
+        if not self.distributed or self.world_size == 1:
+            return flag
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.control_group)
+        return bool(value.item())
+
+    def barrier(self, group: dist.ProcessGroup | None) -> None:
+        """Wait for every rank of ``group``."""
+        if self.distributed and self.world_size > 1:
+            dist.barrier(group=group)

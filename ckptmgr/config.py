@@ -1,0 +1,103 @@
+"""CheckpointConfig: every CheckpointManager setting, validated, loadable from dict/JSON/YAML."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ckptmgr.preemption import PreemptionConfig
+from ckptmgr.retention import RetentionPolicy
+
+
+class CheckpointConfig(BaseModel):
+    """The settings of a :class:`~ckptmgr.CheckpointManager`.
+
+    The first seven fields match PyTorch/XLA's CheckpointManager constructor. Invalid values raise
+    ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_default=True)
+
+    path: str = Field(min_length=1, description="Local path or fsspec URL of the checkpoint root.")
+    save_interval: int = Field(
+        strict=True, gt=0, description="Save when step % save_interval == 0."
+    )
+    max_to_keep: int = Field(
+        default=0, strict=True, ge=0, description="0 keeps every step; N keeps the N newest."
+    )
+    max_pending_async: int = Field(
+        default=1, strict=True, gt=0, description="Bound on in-flight async saves."
+    )
+    num_of_threads: int = Field(
+        default=1, strict=True, gt=0, description="Writer threads per rank (DCP thread_count)."
+    )
+    process_group: Any = Field(default=None, exclude=True, description="torch.distributed group.")
+    chkpt_on_preemption: bool = Field(
+        default=True, strict=True, description="Save at the first step after a preemption notice."
+    )
+    retention: Any = Field(
+        default=None, exclude=True, description="A RetentionPolicy or a list of them (any keeps)."
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the fsspec file system."
+    )
+    preemption: PreemptionConfig = Field(
+        default_factory=PreemptionConfig, description="Where preemption notices come from."
+    )
+    leftover_grace_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="Age after which uncommitted leftovers of interrupted saves are removed.",
+    )
+    collective_timeout_s: float = Field(
+        default=600.0, gt=0, description="Timeout of the manager's own collectives."
+    )
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path_to_str(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("storage_options", mode="before")
+    @classmethod
+    def _none_is_empty(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @field_validator("preemption", mode="before")
+    @classmethod
+    def _default_preemption(cls, value: Any) -> Any:
+        return PreemptionConfig() if value is None else value
+
+    @field_validator("retention")
+    @classmethod
+    def _retention_policies(cls, value: Any) -> Any:
+        policies = value if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+        for policy in policies:
+            if policy is not None and not isinstance(policy, RetentionPolicy):
+                raise ValueError(
+                    f"retention must be a RetentionPolicy (an object with keep(checkpoints)) or "
+                    f"a list of them, got {type(policy).__qualname__}"
+                )
+        return value
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> CheckpointConfig:
+        """Load a config from a ``.json``, ``.yaml`` or ``.yml`` file."""
+        file = Path(path)
+        text = file.read_text()
+        if file.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif file.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            raise ValueError(f"config file must end in .json, .yaml or .yml: {file}")
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {file} must hold a mapping of settings")
+        return cls.model_validate(data)

@@ -1,0 +1,586 @@
+"""CheckpointManager: decide -> stage -> write -> commit -> retain, for a PyTorch training loop."""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import os
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptmgr import dcp_io, objects, retention
+from ckptmgr._version import __version__
+from ckptmgr.background import BackgroundWriter
+from ckptmgr.collectives import Collectives
+from ckptmgr.config import CheckpointConfig
+from ckptmgr.errors import CheckpointError, StepNotFoundError
+from ckptmgr.optimizer import prime_optimizer
+from ckptmgr.preemption import PreemptionConfig, SignalWatcher
+from ckptmgr.record import CommitRecord, TensorEntry, utc_now
+from ckptmgr.staging import StagingPool
+from ckptmgr.state import flatten, optimizer_paths_needing_prime, plan_restore
+from ckptmgr.storage import CheckpointStorage, objects_file_name
+
+log = logging.getLogger("ckptmgr")
+
+
+@dataclass
+class _SaveRequest:
+    """Everything a write of one step needs, snapshotted on the training thread."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    objects: dict[str, Any]
+    metrics: dict[str, float]
+    metadata: dict[str, Any]
+    for_preemption: bool
+
+
+@dataclass
+class _SaveOutcome:
+    """What rank 0 decided after a write, broadcast so that every rank agrees."""
+
+    committed: bool
+    error: str | None
+    deleted: list[int]
+
+
+class CheckpointManager:
+    """Saves, lists, prunes and restores training checkpoints under one path or URL.
+
+    Call-compatible with PyTorch/XLA's experimental ``CheckpointManager``: the first seven
+    arguments are the same. See :class:`~ckptmgr.CheckpointConfig` for every setting.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        save_interval: int,
+        max_to_keep: int = 0,
+        max_pending_async: int = 1,
+        num_of_threads: int = 1,
+        process_group: dist.ProcessGroup | None = None,
+        chkpt_on_preemption: bool = True,
+        *,
+        retention: retention.RetentionPolicy | list[retention.RetentionPolicy] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        preemption: PreemptionConfig | None = None,
+        leftover_grace_s: float = 600.0,
+        collective_timeout_s: float = 600.0,
+    ) -> None:
+        config = CheckpointConfig(
+            path=path,
+            save_interval=save_interval,
+            max_to_keep=max_to_keep,
+            max_pending_async=max_pending_async,
+            num_of_threads=num_of_threads,
+            process_group=process_group,
+            chkpt_on_preemption=chkpt_on_preemption,
+            retention=retention,
+            storage_options=storage_options,
+            preemption=preemption,
+            leftover_grace_s=leftover_grace_s,
+            collective_timeout_s=collective_timeout_s,
+        )
+        self._start(config)
+
+    @classmethod
+    def from_config(
+        cls, config: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str]
+    ) -> CheckpointManager:
+        """Build a manager from a config object, a dict, or a JSON/YAML file path."""
+        if isinstance(config, (str, os.PathLike)):
+            config = CheckpointConfig.from_file(config)
+        elif not isinstance(config, CheckpointConfig):
+            config = CheckpointConfig.model_validate(dict(config))
+        manager = cls.__new__(cls)
+        manager._start(config)
+        return manager
+
+    def _start(self, config: CheckpointConfig) -> None:
+        self.config = config
+        self._closed = True  # until fully started, so close() in error paths does nothing
+        self._storage = CheckpointStorage(config.path, config.storage_options)
+        self._comm = Collectives(config.process_group, config.collective_timeout_s)
+        self._policy = _build_policy(config)
+        self._writer = BackgroundWriter()
+        self._staging = StagingPool(config.max_pending_async)
+        self._lock = threading.Lock()
+        self._in_flight: set[int] = set()
+        self._preemption_claimed: int | None = None
+        self._preemption_reached: int | None = None
+        listed: list[int] = []
+        if self._comm.is_coordinator:
+            self._storage.remove_leftovers(config.leftover_grace_s)
+            listed = self._storage.committed_steps()
+        self._committed: set[int] = set(self._comm.broadcast(listed, self._comm.background_group))
+        self._signals = (
+            SignalWatcher(config.preemption.signals) if config.chkpt_on_preemption else None
+        )
+        self._closed = False
+        log.info("checkpoints at %s: committed steps %s", config.path, sorted(self._committed))
+
+    # -- deciding --------------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """True iff ``step`` is a multiple of ``save_interval`` or a preemption notice is
+        pending, and ``step`` is not already committed (or being written)."""
+        step = _checked_step(step)
+        return self._decide(step, force=False, warn=False)[0]
+
+    def _decide(self, step: int, *, force: bool, warn: bool) -> tuple[bool, bool]:
+        """(save now?, is it the preemption save?) for ``step``."""
+        preempt = self._preemption_requested()
+        with self._lock:
+            taken = step in self._committed or step in self._in_flight
+        if taken:
+            if preempt:  # the notice is answered by the checkpoint that already exists
+                self._preemption_reached = step
+                self._clear_preemption_notice()
+            if warn and (force or step % self.config.save_interval == 0):
+                log.warning(
+                    "step %d is already committed or being saved; not saving it again", step
+                )
+            return False, False
+        wanted = force or preempt or step % self.config.save_interval == 0
+        return wanted, preempt
+
+    def _preemption_requested(self) -> bool:
+        if self._signals is None:
+            return False
+        local = (
+            self._signals.notified
+            and self._preemption_claimed is None
+            and self._preemption_reached is None
+        )
+        return self._comm.any_rank(local)
+
+    def _clear_preemption_notice(self) -> None:
+        if self._signals is not None:
+            self._signals.clear()
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state_dict: Mapping[str, Any],
+        force: bool = False,
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Write a checkpoint of ``state_dict`` for ``step`` and wait until it is committed.
+
+        Returns True iff a checkpoint was committed, False when the interval says not to save or
+        the step already has a checkpoint. ``metrics`` (name -> number) and ``metadata`` (any
+        JSON document) are stored in the commit record. Raises ``CheckpointError`` when the save
+        fails; nothing is committed then.
+        """
+        request = self._request(step, state_dict, force, metrics, metadata)
+        if request is None:
+            return False
+        future = self._writer.submit(
+            f"save of step {step}", lambda: self._write(request), keep_error=False
+        )
+        try:
+            future.result()
+        finally:
+            with self._lock:
+                self._in_flight.discard(step)
+        return True
+
+    def save_async(
+        self,
+        step: int,
+        state_dict: Mapping[str, Any],
+        force: bool = False,
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Copy ``state_dict`` to host memory and write it in the background.
+
+        Returns True once the copy is taken and the write is queued: from then on the caller may
+        change its tensors; the checkpoint holds the values of this call. Waits for a free slot
+        when ``max_pending_async`` saves are in flight. A failed background write is raised as
+        ``CheckpointError`` by :meth:`join`, or else by the next save or :meth:`close`.
+        """
+        request = self._request(step, state_dict, force, metrics, metadata)
+        if request is None:
+            return False
+        try:
+            buffers = self._staging.acquire(on_wait=f" (step {step})")
+        except BaseException:
+            self._abandon(request)
+            raise
+        try:
+            request.tensors = buffers.stage(request.tensors)
+        except BaseException:
+            self._staging.release(buffers)
+            self._abandon(request)
+            raise
+
+        def job() -> None:
+            try:
+                self._write(request)
+            finally:
+                request.tensors = {}
+                self._staging.release(buffers)
+                with self._lock:
+                    self._in_flight.discard(request.step)
+
+        self._writer.submit(f"async save of step {step}", job)
+        return True
+
+    def _request(
+        self,
+        step: int,
+        state_dict: Mapping[str, Any],
+        force: bool,
+        metrics: Mapping[str, float] | None,
+        metadata: Mapping[str, Any] | None,
+    ) -> _SaveRequest | None:
+        """Validate, decide, and snapshot the plain values; None when nothing is to be saved."""
+        self._check_open()
+        step = _checked_step(step)
+        checked_metrics = _checked_metrics(metrics)
+        checked_metadata = _checked_metadata(metadata)
+        self._writer.raise_first_error()
+        wanted, preempt = self._decide(step, force=force, warn=True)
+        if not wanted:
+            return None
+        flat = flatten(state_dict)
+        with self._lock:
+            self._in_flight.add(step)
+        if preempt:
+            self._preemption_claimed = step
+        return _SaveRequest(
+            step, flat.tensors, flat.objects, checked_metrics, checked_metadata, preempt
+        )
+
+    def _abandon(self, request: _SaveRequest) -> None:
+        with self._lock:
+            self._in_flight.discard(request.step)
+        if request.for_preemption:
+            self._preemption_claimed = None
+
+    def _write(self, request: _SaveRequest) -> None:
+        """Write, commit and prune one step; runs on the background thread of every rank."""
+        comm, storage, group = self._comm, self._storage, self._comm.background_group
+        step = request.step
+        prepared: tuple[str, str | None] = ("", None)
+        if comm.is_coordinator:
+            save_id = uuid.uuid4().hex[:16]
+            try:
+                storage.prepare_write_dir(storage.write_dir(step, save_id))
+                prepared = (save_id, None)
+            except Exception as exc:
+                prepared = (save_id, f"{type(exc).__name__}: {exc}")
+        save_id, prepare_error = comm.broadcast(prepared, group)
+        if prepare_error is not None:
+            self._finish_failed(
+                request, CheckpointError(f"could not prepare step {step}: {prepare_error}")
+            )
+        write_dir = storage.write_dir(step, save_id)
+
+        local_error: BaseException | None = None
+        try:
+            if not comm.is_coordinator:
+                storage.fs.makedirs(write_dir, exist_ok=True)
+            storage.write_json(f"{write_dir}/{objects_file_name(comm.rank)}", request.objects)
+        except Exception as exc:
+            local_error = exc
+        dcp_metadata = None
+        try:  # every rank joins DCP's collectives, even after a local error, so none hangs
+            writer = dcp_io.make_writer(
+                storage.url_for(write_dir),
+                local=storage.is_local,
+                thread_count=self.config.num_of_threads,
+                storage_options=storage.storage_options,
+            )
+            dcp_metadata = dcp_io.save_tensors(
+                request.tensors, writer, group if comm.distributed else None
+            )
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            local_error = local_error or exc
+        errors = comm.all_gather(_describe(local_error), group)
+
+        outcome = _SaveOutcome(committed=False, error=None, deleted=[])
+        if comm.is_coordinator:
+            outcome = self._commit_and_plan_retention(
+                request, save_id, write_dir, errors, dcp_metadata
+            )
+        outcome = comm.broadcast(outcome, group)
+        if not outcome.committed:
+            if comm.is_coordinator:
+                storage.discard(write_dir)
+            error = CheckpointError(f"save of step {step} failed: {outcome.error}")
+            self._finish_failed(request, error, cause=local_error)
+
+        with self._lock:
+            self._committed.add(step)
+            self._committed.difference_update(outcome.deleted)
+        if request.for_preemption:
+            self._preemption_reached = step
+            self._preemption_claimed = None
+            self._clear_preemption_notice()
+        log.info("committed step %d", step)
+        if comm.is_coordinator and outcome.deleted:
+            self._delete_steps(outcome.deleted)
+
+    def _commit_and_plan_retention(
+        self,
+        request: _SaveRequest,
+        save_id: str,
+        write_dir: str,
+        errors: list[str | None],
+        dcp_metadata: Any,
+    ) -> _SaveOutcome:
+        failed = {rank: text for rank, text in enumerate(errors) if text is not None}
+        if failed:
+            described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
+            return _SaveOutcome(committed=False, error=described, deleted=[])
+        try:
+            record = CommitRecord(
+                step=request.step,
+                save_id=save_id,
+                committed_at=utc_now(),
+                world_size=self._comm.world_size,
+                metrics=request.metrics,
+                metadata=request.metadata,
+                files=self._storage.list_files(write_dir),
+                tensors=_tensor_entries(dcp_metadata),
+                object_files=[objects_file_name(r) for r in range(self._comm.world_size)],
+                ckptmgr_version=__version__,
+                torch_version=torch.__version__,
+            )
+            self._storage.commit(request.step, write_dir, record)
+        except Exception as exc:
+            log.error("commit of step %d failed", request.step, exc_info=exc)
+            return _SaveOutcome(committed=False, error=f"commit failed: {exc!r}", deleted=[])
+        try:
+            deleted = self._steps_to_prune(request.step)
+        except Exception as exc:  # the step is committed; pruning waits for the next save
+            log.error("retention after step %d failed; nothing deleted", request.step, exc_info=exc)
+            deleted = []
+        return _SaveOutcome(committed=True, error=None, deleted=deleted)
+
+    def _steps_to_prune(self, just_committed: int) -> list[int]:
+        if self._policy is None:
+            return []
+        with self._lock:
+            committed = sorted(self._committed | {just_committed})
+            protected = {just_committed} | self._in_flight
+        infos = []
+        for step in committed:
+            record = self._storage.read_record(step)
+            infos.append(retention.CheckpointInfo(step, record.committed_at, dict(record.metrics)))
+        return retention.steps_to_delete(self._policy, infos, protected)
+
+    def _delete_steps(self, steps: list[int]) -> None:
+        failures = []
+        for step in steps:
+            try:
+                self._storage.delete_step(step)
+                log.info("deleted step %d (retention)", step)
+            except Exception as exc:
+                failures.append((step, exc))
+        if failures:
+            step, exc = failures[0]
+            raise CheckpointError(
+                f"retention could not delete step(s) {[s for s, _ in failures]}; they are "
+                "no longer listed (commit records are removed first or the delete never started)"
+            ) from exc
+
+    def _finish_failed(
+        self, request: _SaveRequest, error: CheckpointError, cause: BaseException | None = None
+    ) -> None:
+        if request.for_preemption:
+            self._preemption_claimed = None  # the next step tries again
+        if cause is not None:
+            raise error from cause
+        raise error
+
+    # -- waiting and closing ---------------------------------------------------------------------
+    def join(self) -> None:
+        """Wait for every pending async save and its retention work.
+
+        Raises ``CheckpointError`` (with the original exception as ``__cause__``) if a background
+        save failed since the last report; each failure is raised once.
+        """
+        self._writer.wait()
+        self._writer.raise_first_error()
+
+    def close(self) -> None:
+        """Join, stop the background thread and put back signal handlers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer.shutdown()
+        finally:
+            if self._signals is not None:
+                self._signals.close()
+        self._writer.raise_first_error()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckpointError as close_error:  # do not hide the exception already unwinding
+            log.error("error while closing the checkpoint manager: %s", close_error)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed")
+
+    # -- listing and restoring -------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Committed steps, sorted and unique (an async save appears once it is committed)."""
+        with self._lock:
+            return sorted(self._committed)
+
+    def latest_step(self) -> int | None:
+        """The highest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def reached_preemption(self, step: int) -> bool:
+        """True at the step whose checkpoint answered a preemption notice, once it is committed."""
+        if self._preemption_claimed == step:
+            self._writer.wait()
+        return self._preemption_reached == step
+
+    def restore(self, step: int, state_dict: Mapping[str, Any]) -> None:
+        """Load the checkpoint of ``step`` into ``state_dict`` in place.
+
+        Tensors are filled in place; plain values are replaced in their dicts/lists; objects
+        with ``load_state_dict`` get it called. Optimizer objects with no state yet are primed
+        first (see :func:`prime_optimizer`). Raises :class:`StepNotFoundError` for a step that
+        is not committed and ``CheckpointError`` when ``state_dict`` has a key the checkpoint
+        lacks.
+        """
+        self._check_open()
+        step = _checked_step(step)
+        self._writer.wait()
+        with self._lock:
+            known = set(self._committed)
+        if step not in known:
+            raise StepNotFoundError(step, known)
+        if not isinstance(state_dict, dict):
+            raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__qualname__}")
+        record = self._storage.read_record(step)
+        for optimizer in optimizer_paths_needing_prime(state_dict, record.tensors):
+            prime_optimizer(optimizer)
+        own_objects = objects_file_name(self._comm.rank)
+        objects_name = own_objects if own_objects in record.object_files else objects_file_name(0)
+        saved_objects = self._storage.read_objects(step, objects_name)
+        plan = plan_restore(state_dict, record.tensors.keys(), saved_objects)
+        reader = dcp_io.make_reader(
+            self._storage.url_for(self._storage.step_path(step)),
+            local=self._storage.is_local,
+            storage_options=self._storage.storage_options,
+        )
+        group = self._comm.background_group if self._comm.distributed else None
+        try:
+            if plan.tensors:
+                dcp_io.load_tensors(plan.tensors, reader, group)
+        except BaseException as exc:  # CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
+        plan.finish()
+        log.info("restored step %d", step)
+
+
+def _build_policy(config: CheckpointConfig) -> retention.RetentionPolicy | None:
+    policies: list[retention.RetentionPolicy] = []
+    if isinstance(config.retention, (list, tuple)):
+        policies.extend(p for p in config.retention if p is not None)
+    elif config.retention is not None:
+        policies.append(config.retention)
+    if config.max_to_keep > 0:
+        policies.append(retention.KeepLatest(config.max_to_keep))
+    if not policies:
+        return None
+    return policies[0] if len(policies) == 1 else retention.AnyOf(policies)
+
+
+def _checked_step(step: Any) -> int:
+    if isinstance(step, bool):
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise ValueError(f"step must be a non-negative int, got {step!r}") from None
+    if value < 0:
+        raise ValueError(f"step must be a non-negative int, got {value}")
+    return value
+
+
+def _checked_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise ValueError(
+            f"metrics must be a dict of str -> number, got {type(metrics).__qualname__}"
+        )
+    checked = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if (
+            not isinstance(name, str)
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float))
+        ):
+            raise ValueError(f"metrics must map str -> number; bad entry {name!r}: {value!r}")
+        if not math.isfinite(float(value)):
+            raise ValueError(f"metric {name!r} must be finite, got {value!r}")
+        checked[name] = float(value)
+    return checked
+
+
+def _checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise ValueError(f"metadata must be a dict, got {type(metadata).__qualname__}")
+    try:
+        return {str(k): objects.encode(v, f"metadata/{k}") for k, v in metadata.items()}
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _tensor_entries(dcp_metadata: Any) -> dict[str, TensorEntry]:
+    entries = {}
+    for key, item in dcp_metadata.state_dict_metadata.items():
+        properties = getattr(item, "properties", None)
+        if properties is None:
+            continue
+        entries[key] = TensorEntry(
+            dtype=str(properties.dtype).removeprefix("torch."), shape=list(item.size)
+        )
+    return entries
+
+
+def _describe(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line}"[:2000]
