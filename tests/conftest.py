@@ -1,0 +1,37 @@
+"""Shared fixtures: real processes and real files, nothing mocked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_python(
+    code_or_path: str | Path, *args: str, timeout: float = 120, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run Python code (a string) or a script (a Path) in a fresh interpreter; bounded in time."""
+    command = [sys.executable]
+    command += [str(code_or_path)] if isinstance(code_or_path, Path) else ["-c", code_or_path]
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    return subprocess.run(
+        [*command, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path: Path) -> Path:
+    """An empty directory for one test's checkpoints."""
+    path = tmp_path / "ckpts"
+    return path
