@@ -11,6 +11,7 @@ import collections
 import io
 import pathlib
 import pickle
+import warnings
 from typing import Any
 
 import torch
@@ -27,6 +28,14 @@ try:  # FsspecReader/Writer live in a private module; the import path has been s
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 except ImportError:  # pragma: no cover - very old torch
     from torch.distributed.checkpoint import FsspecReader, FsspecWriter  # type: ignore
+
+# A plain single process is a supported mode, not a mistake: keep DCP from warning on every call.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent "
+    r"is to (save|load) in a single process",
+    category=UserWarning,
+)
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
