@@ -23,28 +23,41 @@ class BackgroundWriter:
         self._lock = threading.Lock()
 
     def submit(
-        self, description: str, job: Callable[[], Any], *, keep_error: bool = True
+        self,
+        description: str,
+        job: Callable[[], Any],
+        *,
+        keep_error: bool = True,
+        cleanup: Callable[[], None] | None = None,
     ) -> concurrent.futures.Future[Any]:
         """Run ``job`` in the background; ``description`` names it in errors.
 
         With ``keep_error`` a failure is stored for :meth:`raise_first_error`; without it the
-        caller gets it from the returned future (used by synchronous saves).
+        caller gets it from the returned future (used by synchronous saves). ``cleanup`` runs
+        after the job and after its failure is stored, so whoever waits on what ``cleanup``
+        frees sees the failure.
         """
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="ckptmgr-writer"
             )
-        future = self._executor.submit(self._run, description, job, keep_error)
+        future = self._executor.submit(self._run, description, job, keep_error, cleanup)
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(future)
         return future
 
-    def _run(self, description: str, job: Callable[[], Any], keep_error: bool) -> None:
+    def _run(
+        self,
+        description: str,
+        job: Callable[[], Any],
+        keep_error: bool,
+        cleanup: Callable[[], None] | None,
+    ) -> None:
         try:
             job()
         except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-            error = exc if isinstance(exc, CheckpointError) and exc.__cause__ else None
+            error = exc if isinstance(exc, CheckpointError) else None
             if error is None:
                 error = CheckpointError(f"{description} failed: {_short(exc)}")
                 error.__cause__ = exc
@@ -53,6 +66,9 @@ class BackgroundWriter:
             log.error("%s failed", description, exc_info=exc)
             with self._lock:
                 self._errors.append(error)
+        finally:
+            if cleanup is not None:
+                cleanup()
 
     @property
     def busy(self) -> bool:

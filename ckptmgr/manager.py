@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptmgr import dcp_io, objects, retention
 from ckptmgr._version import __version__
@@ -219,22 +220,22 @@ class CheckpointManager:
             self._abandon(request)
             raise
         try:
+            self._writer.raise_first_error()  # a save we waited for may just have failed
             request.tensors = buffers.stage(request.tensors)
         except BaseException:
             self._staging.release(buffers)
             self._abandon(request)
             raise
 
-        def job() -> None:
-            try:
-                self._write(request)
-            finally:
-                request.tensors = {}
-                self._staging.release(buffers)
-                with self._lock:
-                    self._in_flight.discard(request.step)
+        def cleanup() -> None:
+            request.tensors = {}
+            self._staging.release(buffers)
+            with self._lock:
+                self._in_flight.discard(request.step)
 
-        self._writer.submit(f"async save of step {step}", job)
+        self._writer.submit(
+            f"async save of step {step}", lambda: self._write(request), cleanup=cleanup
+        )
         return True
 
     def _request(
@@ -307,12 +308,13 @@ class CheckpointManager:
                 request.tensors, writer, group if comm.distributed else None
             )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            local_error = local_error or exc
+            local_error = local_error or _unwrap_dcp_error(exc)
         errors = comm.all_gather(_describe(local_error), group)
 
         outcome = _SaveOutcome(committed=False, error=None, deleted=[])
+        commit_error: Exception | None = None
         if comm.is_coordinator:
-            outcome = self._commit_and_plan_retention(
+            outcome, commit_error = self._commit_and_plan_retention(
                 request, save_id, write_dir, errors, dcp_metadata
             )
         outcome = comm.broadcast(outcome, group)
@@ -320,7 +322,7 @@ class CheckpointManager:
             if comm.is_coordinator:
                 storage.discard(write_dir)
             error = CheckpointError(f"save of step {step} failed: {outcome.error}")
-            self._finish_failed(request, error, cause=local_error)
+            self._finish_failed(request, error, cause=local_error or commit_error)
 
         with self._lock:
             self._committed.add(step)
@@ -340,11 +342,12 @@ class CheckpointManager:
         write_dir: str,
         errors: list[str | None],
         dcp_metadata: Any,
-    ) -> _SaveOutcome:
+    ) -> tuple[_SaveOutcome, Exception | None]:
+        """Commit if every rank wrote its part, then choose what retention deletes."""
         failed = {rank: text for rank, text in enumerate(errors) if text is not None}
         if failed:
             described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
-            return _SaveOutcome(committed=False, error=described, deleted=[])
+            return _SaveOutcome(committed=False, error=described, deleted=[]), None
         try:
             record = CommitRecord(
                 step=request.step,
@@ -362,13 +365,14 @@ class CheckpointManager:
             self._storage.commit(request.step, write_dir, record)
         except Exception as exc:
             log.error("commit of step %d failed", request.step, exc_info=exc)
-            return _SaveOutcome(committed=False, error=f"commit failed: {exc!r}", deleted=[])
+            outcome = _SaveOutcome(committed=False, error=f"commit failed: {exc!r}", deleted=[])
+            return outcome, exc
         try:
             deleted = self._steps_to_prune(request.step)
         except Exception as exc:  # the step is committed; pruning waits for the next save
             log.error("retention after step %d failed; nothing deleted", request.step, exc_info=exc)
             deleted = []
-        return _SaveOutcome(committed=True, error=None, deleted=deleted)
+        return _SaveOutcome(committed=True, error=None, deleted=deleted), None
 
     def _steps_to_prune(self, just_committed: int) -> list[int]:
         if self._policy is None:
@@ -577,6 +581,18 @@ def _tensor_entries(dcp_metadata: Any) -> dict[str, TensorEntry]:
             dtype=str(properties.dtype).removeprefix("torch."), shape=list(item.size)
         )
     return entries
+
+
+def _unwrap_dcp_error(error: BaseException) -> BaseException:
+    """The original exception inside DCP's ``CheckpointException`` (first failing rank)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(error, CheckpointException) and isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            return first[0]
+        if isinstance(first, BaseException):
+            return first
+    return error
 
 
 def _describe(error: BaseException | None) -> str | None:

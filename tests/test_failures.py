@@ -1,0 +1,572 @@
+"""Failures: background and synchronous write errors, bad input, leftovers, backpressure.
+
+Write failures are injected with a real fsspec file system (a subclass of fsspec's in-memory file
+system, registered under the protocol ``flaky://``) that raises or blocks on purpose on chosen
+paths. Everything else (the manager, DCP, the staging pool, the local disk) is real.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+from ckptmgr import CheckpointError, CheckpointManager, StepNotFoundError
+
+# Upper bound of every wait on another thread in this file: generous, never reached when healthy.
+BOUND_S = 60.0
+PROTOCOL = "flaky"
+
+
+@dataclass
+class Faults:
+    """What the flaky file system does on writes; set by each test."""
+
+    fail_suffixes: tuple[str, ...] = ()
+    block_suffixes: tuple[str, ...] = ()
+    blocked: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+    raised: list[OSError] = field(default_factory=list)
+
+    def before_write(self, path: str) -> None:
+        """Block or fail the write of ``path`` as configured (called before anything is stored)."""
+        if path.endswith(self.block_suffixes):
+            self.blocked.set()
+            if not self.release.wait(BOUND_S):
+                raise OSError(errno.ETIMEDOUT, f"test never released the write of {path}")
+        if path.endswith(self.fail_suffixes):
+            error = OSError(errno.EIO, f"injected write failure for {path}")
+            self.raised.append(error)
+            raise error
+
+
+class FlakyFileSystem(MemoryFileSystem):
+    """fsspec's in-memory file system with its own store and injectable write faults.
+
+    The faults are class-level because fsspec caches one instance per thread, and DCP writes
+    from its own threads.
+    """
+
+    protocol = (PROTOCOL,)
+    store: ClassVar[dict[str, Any]] = {}
+    pseudo_dirs: ClassVar[list[str]] = [""]
+    faults: ClassVar[Faults] = Faults()
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        if isinstance(path, str):
+            path = path.removeprefix(f"{PROTOCOL}://")
+        return super()._strip_protocol(path)
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if any(flag in mode for flag in "wxa+"):
+            self.faults.before_write(self._strip_protocol(path))
+        return super()._open(path, mode, **kwargs)
+
+
+@pytest.fixture
+def flaky() -> Iterator[type[FlakyFileSystem]]:
+    """The flaky file system, empty, without faults, registered as ``flaky://``."""
+    FlakyFileSystem.store.clear()
+    FlakyFileSystem.pseudo_dirs[:] = [""]
+    FlakyFileSystem.faults = Faults()
+    FlakyFileSystem.clear_instance_cache()
+    fsspec.register_implementation(PROTOCOL, FlakyFileSystem, clobber=True)
+    yield FlakyFileSystem
+    FlakyFileSystem.faults.release.set()  # never leave a writer thread blocked
+    FlakyFileSystem.store.clear()
+    FlakyFileSystem.pseudo_dirs[:] = [""]
+    FlakyFileSystem.clear_instance_cache()
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    """A small state with several dtypes and plain values."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w": torch.randn(8, 4, generator=gen),
+            "half": torch.randn(5, generator=gen).to(torch.bfloat16),
+            "ids": torch.randint(0, 1000, (6,), generator=gen, dtype=torch.int64),
+            "mask": torch.rand(3, generator=gen) > 0.5,
+            "scalar": torch.tensor(float(seed)),
+        },
+        "epoch": seed,
+        "name": f"run-{seed}",
+    }
+
+
+def empty_like_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A state with the same structure and different values, to restore into."""
+    model = {key: torch.zeros_like(value) for key, value in state["model"].items()}
+    return {"model": model, "epoch": -1, "name": ""}
+
+
+def assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Bit-exact equality of tensors (dtype included) and equality of plain values."""
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            assert_same_state(actual[key], value)
+        elif isinstance(value, torch.Tensor):
+            assert actual[key].dtype == value.dtype, key
+            assert torch.equal(actual[key], value), key
+        else:
+            assert actual[key] == value, key
+
+
+def cause_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and its ``__cause__``s, outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__
+    return chain
+
+
+def files_of_step(fs: type[FlakyFileSystem], step: int) -> list[str]:
+    """Paths stored in the flaky file system under the directory of ``step``."""
+    return sorted(path for path in fs.store if f"/step_{step:012d}/" in path)
+
+
+def flaky_manager(url: str, **kwargs: Any) -> CheckpointManager:
+    return CheckpointManager(url, save_interval=1, chkpt_on_preemption=False, **kwargs)
+
+
+# -- background (async) write failures ---------------------------------------------------------
+
+
+def test_background_failure_raises_from_join_with_the_original_cause(
+    flaky: type[FlakyFileSystem],
+) -> None:
+    mgr = flaky_manager(f"{PROTOCOL}://bg-cause")
+    flaky.faults.fail_suffixes = (".distcp",)
+    try:
+        assert mgr.save_async(3, make_state(3)) is True
+        with pytest.raises(CheckpointError) as caught:
+            mgr.join()
+        assert len(flaky.faults.raised) == 1, "the injected fault was never hit"
+        original = flaky.faults.raised[0]
+        chain = cause_chain(caught.value)
+        assert any(link is original for link in chain), (
+            f"the injected OSError is not in the __cause__ chain: {[repr(c) for c in chain]}"
+        )
+        assert "injected write failure" in str(caught.value), (
+            f"the error message does not say what failed: {caught.value}"
+        )
+    finally:
+        flaky.faults.fail_suffixes = ()
+        mgr.join()  # the failure was reported above (or the test already failed)
+        mgr.close()
+
+
+def test_background_failure_commits_nothing_and_is_raised_once(
+    flaky: type[FlakyFileSystem],
+) -> None:
+    url = f"{PROTOCOL}://bg-nothing"
+    mgr = flaky_manager(url)
+    assert mgr.save(1, make_state(1)) is True
+    flaky.faults.fail_suffixes = (".distcp",)
+    assert mgr.save_async(2, make_state(2)) is True
+    with pytest.raises(CheckpointError):
+        mgr.join()
+    assert flaky.faults.raised, "the injected fault was never hit"
+    assert mgr.all_steps() == [1]
+    assert mgr.latest_step() == 1
+    assert not [p for p in files_of_step(flaky, 2) if p.endswith("commit.json")]
+    mgr.join()  # raised once: the second join has nothing to report
+    flaky.faults.fail_suffixes = ()
+    with flaky_manager(url) as fresh:
+        assert fresh.all_steps() == [1]
+        with pytest.raises(StepNotFoundError):
+            fresh.restore(2, empty_like_state(make_state(2)))
+    mgr.close()
+
+
+def test_unjoined_background_failure_is_raised_by_the_next_save_async(
+    flaky: type[FlakyFileSystem],
+) -> None:
+    mgr = flaky_manager(f"{PROTOCOL}://bg-next-async")
+    flaky.faults.fail_suffixes = (".distcp",)
+    assert mgr.save_async(1, make_state(1)) is True
+    # restore() waits for pending writes without reporting their errors: a public barrier.
+    with pytest.raises(StepNotFoundError):
+        mgr.restore(1, empty_like_state(make_state(1)))
+    flaky.faults.fail_suffixes = ()
+    with pytest.raises(CheckpointError) as caught:
+        mgr.save_async(2, make_state(2))
+    assert isinstance(caught.value.__cause__, BaseException)
+    assert "step 1" in str(caught.value)
+    # Reported once: the same call now goes through and commits.
+    assert mgr.save_async(2, make_state(2)) is True
+    mgr.join()
+    assert mgr.all_steps() == [2]
+    mgr.close()
+
+
+def test_unjoined_background_failure_is_raised_by_the_next_sync_save(
+    flaky: type[FlakyFileSystem],
+) -> None:
+    mgr = flaky_manager(f"{PROTOCOL}://bg-next-sync")
+    flaky.faults.fail_suffixes = (".distcp",)
+    assert mgr.save_async(1, make_state(1)) is True
+    with pytest.raises(StepNotFoundError):
+        mgr.restore(1, empty_like_state(make_state(1)))
+    flaky.faults.fail_suffixes = ()
+    with pytest.raises(CheckpointError):
+        mgr.save(2, make_state(2))
+    assert mgr.all_steps() == []
+    assert mgr.save(2, make_state(2)) is True
+    assert mgr.all_steps() == [2]
+    mgr.close()
+
+
+def test_unjoined_background_failure_is_raised_by_close(flaky: type[FlakyFileSystem]) -> None:
+    mgr = flaky_manager(f"{PROTOCOL}://bg-close")
+    flaky.faults.fail_suffixes = (".distcp",)
+    assert mgr.save_async(1, make_state(1)) is True
+    with pytest.raises(CheckpointError) as caught:
+        mgr.close()
+    assert caught.value.__cause__ is not None
+    assert mgr.all_steps() == []
+    mgr.close()  # idempotent, and the error was reported once
+
+
+# -- synchronous write failures ----------------------------------------------------------------
+
+
+def test_failed_sync_save_raises_and_never_damages_committed_steps(
+    flaky: type[FlakyFileSystem],
+) -> None:
+    url = f"{PROTOCOL}://sync"
+    first = make_state(1)
+    mgr = flaky_manager(url)
+    assert mgr.save(1, first) is True
+    committed_bytes = {p: bytes(flaky.store[p].getbuffer()) for p in files_of_step(flaky, 1)}
+    assert any(p.endswith("commit.json") for p in committed_bytes)
+
+    flaky.faults.fail_suffixes = (".distcp",)
+    with pytest.raises(CheckpointError):
+        mgr.save(2, make_state(2))
+    assert flaky.faults.raised, "the injected fault was never hit"
+    flaky.faults.fail_suffixes = ()
+    assert mgr.all_steps() == [1]
+    assert not [p for p in files_of_step(flaky, 2) if p.endswith("commit.json")]
+    assert {p: bytes(flaky.store[p].getbuffer()) for p in files_of_step(flaky, 1)} == (
+        committed_bytes
+    )
+    mgr.join()  # a synchronous failure was raised directly; nothing is left to report
+
+    target = empty_like_state(first)
+    mgr.restore(1, target)
+    assert_same_state(target, first)
+    with flaky_manager(url) as fresh:
+        assert fresh.all_steps() == [1]
+        target = empty_like_state(first)
+        fresh.restore(1, target)
+        assert_same_state(target, first)
+
+    # The failed attempt does not block a retry of the same step.
+    second = make_state(2)
+    assert mgr.save(2, second) is True
+    target = empty_like_state(second)
+    mgr.restore(2, target)
+    assert_same_state(target, second)
+    mgr.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failed_commit_record_write_lists_nothing(flaky: type[FlakyFileSystem], mode: str) -> None:
+    url = f"{PROTOCOL}://commit-{mode}"
+    mgr = flaky_manager(url)
+    flaky.faults.fail_suffixes = ("commit.json",)
+    with pytest.raises(CheckpointError):
+        if mode == "sync":
+            mgr.save(4, make_state(4))
+        else:
+            assert mgr.save_async(4, make_state(4)) is True
+            mgr.join()
+    assert flaky.faults.raised, "the injected fault was never hit"
+    flaky.faults.fail_suffixes = ()
+    assert mgr.all_steps() == []
+    assert not [p for p in flaky.store if "commit" in p.rsplit("/", 1)[-1]]
+    with flaky_manager(url) as fresh:
+        assert fresh.all_steps() == []
+    assert mgr.save(4, make_state(4)) is True
+    assert mgr.all_steps() == [4]
+    mgr.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failed_commit_record_write_keeps_the_original_cause(
+    flaky: type[FlakyFileSystem], mode: str
+) -> None:
+    mgr = flaky_manager(f"{PROTOCOL}://commit-cause-{mode}")
+    flaky.faults.fail_suffixes = ("commit.json",)
+    try:
+        with pytest.raises(CheckpointError) as caught:
+            if mode == "sync":
+                mgr.save(4, make_state(4))
+            else:
+                assert mgr.save_async(4, make_state(4)) is True
+                mgr.join()
+        assert len(flaky.faults.raised) == 1
+        chain = cause_chain(caught.value)
+        assert any(link is flaky.faults.raised[0] for link in chain), (
+            f"the injected OSError is not in the __cause__ chain: {[repr(c) for c in chain]}"
+        )
+    finally:
+        flaky.faults.fail_suffixes = ()
+        mgr.close()
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", [-1, -100, 1.5, 2.0, "3", None, True, False])
+def test_bad_step_raises_value_error(ckpt_dir: Path, step: Any) -> None:
+    state = make_state(0)
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        with pytest.raises(ValueError, match="step"):
+            mgr.save(step, state)
+        with pytest.raises(ValueError, match="step"):
+            mgr.save(step, state, force=True)
+        with pytest.raises(ValueError, match="step"):
+            mgr.save_async(step, state)
+        with pytest.raises(ValueError, match="step"):
+            mgr.should_save(step)
+        assert mgr.save(0, state) is True
+        with pytest.raises(ValueError, match="step"):
+            mgr.restore(step, empty_like_state(state))
+        assert mgr.all_steps() == [0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"save_interval": 0}, "save_interval"),
+        ({"save_interval": -5}, "save_interval"),
+        ({"save_interval": 1, "max_to_keep": -1}, "max_to_keep"),
+        ({"save_interval": 1, "max_pending_async": 0}, "max_pending_async"),
+    ],
+)
+def test_bad_settings_raise_value_error_naming_the_argument(
+    ckpt_dir: Path, kwargs: dict[str, Any], name: str
+) -> None:
+    with pytest.raises(ValueError, match=name):
+        CheckpointManager(ckpt_dir, chkpt_on_preemption=False, **kwargs)
+
+
+class Opaque:
+    """A custom object without state_dict(): not checkpointable."""
+
+
+def unsaveable_values() -> list[tuple[str, Any]]:
+    return [("lambda", lambda x: x), ("custom_object", Opaque()), ("a_set", {1, 2})]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize(("label", "value"), unsaveable_values())
+def test_unsaveable_object_fails_at_save_naming_the_key_path(
+    ckpt_dir: Path, mode: str, label: str, value: Any
+) -> None:
+    state = make_state(5)
+    state["extras"] = {"weights": torch.ones(2), f"bad_{label}": value}
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        save = mgr.save if mode == "sync" else mgr.save_async
+        with pytest.raises(CheckpointError) as caught:
+            save(5, state)
+        assert f"bad_{label}" in str(caught.value)
+        assert "extras" in str(caught.value)
+        mgr.join()
+        assert mgr.all_steps() == []
+        assert os.listdir(ckpt_dir) == []
+        # The manager stays usable and the step is free for a good state.
+        del state["extras"][f"bad_{label}"]
+        assert save(5, state) is True
+        mgr.join()
+        assert mgr.all_steps() == [5]
+
+
+def test_unsaveable_object_inside_a_list_is_named(ckpt_dir: Path) -> None:
+    state = {"w": torch.ones(2), "history": [1, 2, Opaque()]}
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        with pytest.raises(CheckpointError, match="history"):
+            mgr.save(0, state)
+        assert mgr.all_steps() == []
+        assert os.listdir(ckpt_dir) == []
+
+
+def test_restore_of_unknown_step_lists_available_steps(ckpt_dir: Path) -> None:
+    state = make_state(0)
+    with CheckpointManager(ckpt_dir, save_interval=10, chkpt_on_preemption=False) as mgr:
+        with pytest.raises(StepNotFoundError):
+            mgr.restore(0, empty_like_state(state))
+        assert mgr.save(0, state) is True
+        assert mgr.save(10, state) is True
+        with pytest.raises(StepNotFoundError) as caught:
+            mgr.restore(5, empty_like_state(state))
+    error = caught.value
+    assert isinstance(error, CheckpointError)
+    assert isinstance(error, LookupError)
+    message = str(error)
+    assert {"0", "5", "10"} <= set(re.findall(r"\d+", message)), message
+
+
+def test_restore_with_keys_missing_from_the_checkpoint_names_them(ckpt_dir: Path) -> None:
+    state = make_state(2)
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        assert mgr.save(2, state) is True
+        nested = empty_like_state(state)
+        nested["model"]["missing_bias"] = torch.zeros(3)
+        with pytest.raises(CheckpointError, match="missing_bias"):
+            mgr.restore(2, nested)
+        top_tensor = empty_like_state(state)
+        top_tensor["ema_weights"] = torch.zeros(3)
+        with pytest.raises(CheckpointError, match="ema_weights"):
+            mgr.restore(2, top_tensor)
+        top_plain = empty_like_state(state)
+        top_plain["epoch_counter"] = 7
+        with pytest.raises(CheckpointError, match="epoch_counter"):
+            mgr.restore(2, top_plain)
+        # A subset of the saved keys restores fine.
+        subset = {"model": {"w": torch.zeros(8, 4)}}
+        mgr.restore(2, subset)
+        assert torch.equal(subset["model"]["w"], state["model"]["w"])
+
+
+@pytest.mark.parametrize("bad_state", [[torch.ones(2)], None, "weights", (torch.ones(2),)])
+def test_state_dict_that_is_not_a_dict_is_rejected(ckpt_dir: Path, bad_state: Any) -> None:
+    errors = (CheckpointError, TypeError, ValueError)
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        with pytest.raises(errors):
+            mgr.save(1, bad_state)
+        with pytest.raises(errors):
+            mgr.save_async(2, bad_state)
+        mgr.join()
+        assert mgr.all_steps() == []
+        assert mgr.save(3, {"w": torch.ones(2)}) is True
+        with pytest.raises(errors):
+            mgr.restore(3, bad_state)
+
+
+# -- leftovers of interrupted saves ------------------------------------------------------------
+
+
+def make_leftovers(root: Path, age_s: float = 0.0) -> list[Path]:
+    """A temporary write directory and a step directory without commit record."""
+    tmp_dir = root / ".tmp-step_000000000005-abc"
+    uncommitted = root / "step_000000000007"
+    for directory in (tmp_dir, uncommitted):
+        directory.mkdir(parents=True)
+        (directory / "__0_0.distcp").write_bytes(b"partial data")
+    if age_s:
+        past = time.time() - age_s
+        for directory in (tmp_dir, uncommitted):
+            for path in (directory / "__0_0.distcp", directory):
+                os.utime(path, (past, past))
+    return [tmp_dir, uncommitted]
+
+
+def test_leftovers_are_removed_by_a_new_manager_after_the_grace_age(ckpt_dir: Path) -> None:
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        assert mgr.save(3, make_state(3)) is True
+    leftovers = make_leftovers(ckpt_dir)
+    with CheckpointManager(
+        ckpt_dir, save_interval=1, chkpt_on_preemption=False, leftover_grace_s=0
+    ) as mgr:
+        assert mgr.all_steps() == [3]
+        assert [p for p in leftovers if p.exists()] == []
+        assert sorted(os.listdir(ckpt_dir)) == ["step_000000000003"]
+        assert mgr.save(5, make_state(5)) is True
+        assert mgr.save(7, make_state(7)) is True
+        assert mgr.all_steps() == [3, 5, 7]
+
+
+def test_recent_leftovers_are_kept_during_the_grace_age_and_never_listed(
+    ckpt_dir: Path,
+) -> None:
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        assert mgr.save(3, make_state(3)) is True
+    leftovers = make_leftovers(ckpt_dir)
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        assert [p for p in leftovers if not p.exists()] == []
+        assert mgr.all_steps() == [3]
+        assert mgr.latest_step() == 3
+        assert mgr.should_save(7) is True
+        with pytest.raises(StepNotFoundError):
+            mgr.restore(7, empty_like_state(make_state(7)))
+        # A new save of the uncommitted step replaces the leftover and commits.
+        seventh = make_state(7)
+        assert mgr.save(7, seventh) is True
+        assert mgr.all_steps() == [3, 7]
+        target = empty_like_state(seventh)
+        mgr.restore(7, target)
+        assert_same_state(target, seventh)
+
+
+def test_old_leftovers_are_removed_with_the_default_grace(ckpt_dir: Path) -> None:
+    leftovers = make_leftovers(ckpt_dir, age_s=3600.0)
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        assert mgr.all_steps() == []
+        assert [p for p in leftovers if p.exists()] == []
+
+
+# -- backpressure --------------------------------------------------------------------------------
+
+
+def test_save_async_waits_for_a_free_slot_and_logs_the_wait(
+    flaky: type[FlakyFileSystem], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ckptmgr")
+    flaky.faults.block_suffixes = (".distcp",)
+    mgr = flaky_manager(f"{PROTOCOL}://backpressure", max_pending_async=1)
+    second_returned = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def second_save() -> None:
+        try:
+            outcome["saved"] = mgr.save_async(2, make_state(2))
+            outcome["release_was_set"] = flaky.faults.release.is_set()
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            second_returned.set()
+
+    worker = threading.Thread(target=second_save, name="second-save")
+    try:
+        assert mgr.save_async(1, make_state(1)) is True
+        assert flaky.faults.blocked.wait(BOUND_S), "the first write never reached the file system"
+        worker.start()
+        # Negative check, bounded: the second call must still be waiting for the slot. The
+        # decisive assertion is release_was_set below, which holds however threads interleave.
+        assert not second_returned.wait(0.5), "save_async did not wait for a free slot"
+        flaky.faults.release.set()
+        assert second_returned.wait(BOUND_S), "save_async never returned after the slot freed"
+        worker.join(BOUND_S)
+        assert not worker.is_alive()
+        assert "error" not in outcome, outcome.get("error")
+        assert outcome == {"saved": True, "release_was_set": True}
+        mgr.join()
+        assert mgr.all_steps() == [1, 2]
+    finally:
+        flaky.faults.release.set()
+        if worker.ident is not None:
+            worker.join(BOUND_S)
+        mgr.close()
+    waits = [r.getMessage() for r in caplog.records if "free async save slot" in r.getMessage()]
+    assert len(waits) == 1, waits
+    assert re.search(r"waited \d+(\.\d+)? s", waits[0]), waits[0]
+    assert "step 2" in waits[0]

@@ -1,0 +1,224 @@
+"""Optimizer state: round trips through prime_optimizer, and restoring into unprimed optimizers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ckptmgr import CheckpointError, CheckpointManager, prime_optimizer
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def sgd_momentum(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=5e-2, momentum=0.9, weight_decay=0.01)
+
+
+OPTIMIZERS = [pytest.param(adamw, id="adamw"), pytest.param(sgd_momentum, id="sgd-momentum")]
+
+
+@dataclass
+class Trainer:
+    """A small model, its optimizer and LR scheduler, trained on fixed synthetic data."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    @classmethod
+    def create(cls, make_optimizer: OptimizerFactory, seed: int) -> Trainer:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        optimizer = make_optimizer(list(model.parameters()))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return cls(model, optimizer, scheduler)
+
+    def train(self, steps: int, first_batch: int = 0) -> list[float]:
+        losses = []
+        for batch in range(first_batch, first_batch + steps):
+            gen = torch.Generator().manual_seed(1000 + batch)
+            inputs = torch.randn(32, 6, generator=gen)
+            targets = torch.randn(32, 3, generator=gen)
+            loss = nn.functional.mse_loss(self.model(inputs), targets)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            losses.append(loss.item())
+        return losses
+
+    def objects(self) -> dict[str, Any]:
+        return {"model": self.model, "optim": self.optimizer, "sched": self.scheduler}
+
+
+def assert_equal_nested(actual: Any, expected: Any, where: str = "") -> None:
+    """Bit-exact equality of nested dicts/lists/tuples of tensors and plain values."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), where
+        assert actual.dtype == expected.dtype, where
+        assert torch.equal(actual, expected), where
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict), where
+        assert actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_equal_nested(actual[key], expected[key], f"{where}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)), where
+        assert len(actual) == len(expected), where
+        for index, (got, want) in enumerate(zip(actual, expected, strict=True)):
+            assert_equal_nested(got, want, f"{where}[{index}]")
+    else:
+        assert actual == expected, where
+
+
+def snapshot(trainer: Trainer) -> dict[str, Any]:
+    """Deep copies of the trainer's state dicts, to compare against later."""
+    return {
+        "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        "optim": _clone(trainer.optimizer.state_dict()),
+        "sched": _clone(trainer.scheduler.state_dict()),
+    }
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_clone(v) for v in value)
+    return value
+
+
+def assert_same_training_state(restored: Trainer, saved: dict[str, Any]) -> None:
+    assert_equal_nested(snapshot(restored), saved)
+
+
+def save_trained(
+    ckpt_dir: Path, make_optimizer: OptimizerFactory
+) -> tuple[Trainer, dict[str, Any]]:
+    """Train 5 steps, save model+optimizer+scheduler at step 5; returns trainer and snapshot."""
+    trainer = Trainer.create(make_optimizer, seed=0)
+    trainer.train(5)
+    assert trainer.optimizer.state, "the optimizer should have state after training"
+    saved = snapshot(trainer)
+    with CheckpointManager(ckpt_dir, save_interval=5, chkpt_on_preemption=False) as mgr:
+        assert mgr.save(5, trainer.objects()) is True
+    return trainer, saved
+
+
+def assert_training_continues_identically(original: Trainer, restored: Trainer) -> None:
+    """Both trainers take the same next steps and end bit-identical."""
+    assert restored.train(3, first_batch=5) == original.train(3, first_batch=5)
+    assert_equal_nested(snapshot(restored), snapshot(original))
+
+
+@pytest.mark.parametrize("make_optimizer", OPTIMIZERS)
+def test_round_trip_with_explicitly_primed_optimizer_object(
+    ckpt_dir: Path, make_optimizer: OptimizerFactory
+) -> None:
+    original, saved = save_trained(ckpt_dir, make_optimizer)
+    restored = Trainer.create(make_optimizer, seed=1)
+    assert prime_optimizer(restored.optimizer) is restored.optimizer
+    assert restored.optimizer.state
+    with CheckpointManager(ckpt_dir, save_interval=5, chkpt_on_preemption=False) as mgr:
+        assert mgr.all_steps() == [5]
+        mgr.restore(5, restored.objects())
+    assert_same_training_state(restored, saved)
+    assert restored.optimizer.param_groups[0]["lr"] == original.optimizer.param_groups[0]["lr"]
+    assert_training_continues_identically(original, restored)
+
+
+@pytest.mark.parametrize("make_optimizer", OPTIMIZERS)
+def test_round_trip_with_primed_plain_state_dicts(
+    ckpt_dir: Path, make_optimizer: OptimizerFactory
+) -> None:
+    original, saved = save_trained(ckpt_dir, make_optimizer)
+    restored = Trainer.create(make_optimizer, seed=1)
+    prime_optimizer(restored.optimizer)
+    state = {
+        "model": restored.model.state_dict(),
+        "optim": restored.optimizer.state_dict(),
+        "sched": restored.scheduler.state_dict(),
+    }
+    with CheckpointManager(ckpt_dir, save_interval=5, chkpt_on_preemption=False) as mgr:
+        mgr.restore(5, state)
+    restored.model.load_state_dict(state["model"])
+    restored.optimizer.load_state_dict(state["optim"])
+    restored.scheduler.load_state_dict(state["sched"])
+    assert_same_training_state(restored, saved)
+    assert_training_continues_identically(original, restored)
+
+
+@pytest.mark.parametrize("make_optimizer", OPTIMIZERS)
+def test_unprimed_optimizer_object_is_primed_automatically(
+    ckpt_dir: Path, make_optimizer: OptimizerFactory
+) -> None:
+    original, saved = save_trained(ckpt_dir, make_optimizer)
+
+    # Priming is destructive here: weight decay moves the parameters. The restore must still end
+    # with the saved parameters, so it has to prime before it loads the model.
+    control = Trainer.create(make_optimizer, seed=1)
+    before = {k: v.clone() for k, v in control.model.state_dict().items()}
+    prime_optimizer(control.optimizer)
+    assert any(not torch.equal(v, before[k]) for k, v in control.model.state_dict().items())
+
+    restored = Trainer.create(make_optimizer, seed=1)
+    assert not restored.optimizer.state
+    with CheckpointManager(ckpt_dir, save_interval=5, chkpt_on_preemption=False) as mgr:
+        # The model comes first in the dict: loading in dict order and priming afterwards
+        # would corrupt the restored parameters.
+        mgr.restore(
+            5, {"model": restored.model, "optim": restored.optimizer, "sched": restored.scheduler}
+        )
+    assert_same_training_state(restored, saved)
+    assert len(restored.optimizer.state) == len(list(restored.model.parameters()))
+    assert_training_continues_identically(original, restored)
+
+
+@pytest.mark.parametrize("make_optimizer", OPTIMIZERS)
+def test_unprimed_plain_optimizer_state_dict_raises_naming_prime_optimizer(
+    ckpt_dir: Path, make_optimizer: OptimizerFactory
+) -> None:
+    _, saved = save_trained(ckpt_dir, make_optimizer)
+    restored = Trainer.create(make_optimizer, seed=1)
+    state = {"model": restored.model.state_dict(), "optim": restored.optimizer.state_dict()}
+    assert state["optim"]["state"] == {}
+    with CheckpointManager(ckpt_dir, save_interval=5, chkpt_on_preemption=False) as mgr:
+        with pytest.raises(CheckpointError, match="prime_optimizer"):
+            mgr.restore(5, state)
+        assert not restored.optimizer.state, "nothing may be loaded into the optimizer silently"
+
+        # After the advice is followed, the same restore works.
+        prime_optimizer(restored.optimizer)
+        state = {"model": restored.model.state_dict(), "optim": restored.optimizer.state_dict()}
+        mgr.restore(5, state)
+    restored.optimizer.load_state_dict(state["optim"])
+    assert_equal_nested(snapshot(restored)["optim"], saved["optim"])
+    assert_equal_nested(snapshot(restored)["model"], saved["model"])
+
+
+def test_async_save_of_optimizer_holds_values_at_call_time(ckpt_dir: Path) -> None:
+    trainer = Trainer.create(adamw, seed=0)
+    trainer.train(3)
+    saved = snapshot(trainer)
+    with CheckpointManager(ckpt_dir, save_interval=3, chkpt_on_preemption=False) as mgr:
+        assert mgr.save_async(3, trainer.objects()) is True
+        trainer.train(2, first_batch=3)  # mutates parameters and optimizer state in place
+        mgr.join()
+        assert mgr.all_steps() == [3]
+        restored = Trainer.create(adamw, seed=1)
+        mgr.restore(3, restored.objects())
+    assert_same_training_state(restored, saved)

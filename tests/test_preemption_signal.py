@@ -1,0 +1,171 @@
+"""Preemption by a real SIGTERM: the next step is checkpointed and the loop can stop cleanly."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+import pytest
+import torch
+
+from ckptmgr import CheckpointManager
+
+REPO = Path(__file__).resolve().parent.parent
+CHILD = Path(__file__).resolve().parent / "_preempt_child.py"
+LINE_TIMEOUT_S = 120.0  # the first line includes importing torch in a fresh interpreter
+STEPS_BEFORE_SIGNAL = 3
+
+
+class LineReader:
+    """Reads a stream's lines on a thread so that every wait for a line is bounded."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def next_line(self, timeout: float = LINE_TIMEOUT_S) -> str:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no line from the child within {timeout} s") from None
+        if line is None:
+            raise AssertionError("the child closed its output early")
+        return line
+
+
+def parse(line: str) -> dict[str, str]:
+    """``"step=3 saved=False"`` -> ``{"step": "3", "saved": "False"}`` (bare words map to "")."""
+    fields = {}
+    for word in line.split():
+        key, _, value = word.partition("=")
+        fields[key] = value
+    return fields
+
+
+@pytest.fixture
+def child(ckpt_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """The preemptible training loop in a child process; killed at teardown if still alive."""
+    stderr_path = tmp_path / "child-stderr.txt"
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    with stderr_path.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(CHILD), str(ckpt_dir)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+    try:
+        yield proc, stderr_path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def send(proc: subprocess.Popen[str], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def test_sigterm_checkpoints_the_next_step_and_chains_to_the_previous_handler(
+    child: tuple[subprocess.Popen[str], Path], ckpt_dir: Path
+) -> None:
+    proc, stderr_path = child
+    assert proc.stdout is not None
+    lines = LineReader(proc.stdout)
+
+    ready = parse(lines.next_line())
+    assert "ready" in ready, ready
+    assert ready["handler_installed"] == "True", "the manager did not install a SIGTERM handler"
+
+    for step in range(1, STEPS_BEFORE_SIGNAL + 1):
+        send(proc, "go")
+        report = parse(lines.next_line())
+        assert report == {
+            "step": str(step),
+            "saved": "False",
+            "reached": "False",
+            "previous_calls": "0",
+        }, report
+
+    # The child now waits on stdin for the next step; the signal arrives before that step.
+    proc.send_signal(signal.SIGTERM)
+    send(proc, "go")
+    preempted_step = STEPS_BEFORE_SIGNAL + 1
+    report = parse(lines.next_line())
+    assert report == {
+        "step": str(preempted_step),
+        "saved": "True",
+        "reached": "True",
+        "previous_calls": "1",
+    }, f"{report}; child stderr:\n{stderr_path.read_text()}"
+
+    closed = parse(lines.next_line())
+    assert closed == {"closed": "", "handler_restored": "True", "previous_calls": "1"}, closed
+    assert proc.stdin is not None
+    proc.stdin.close()
+    assert proc.wait(timeout=LINE_TIMEOUT_S) == 0, stderr_path.read_text()
+
+    with CheckpointManager(ckpt_dir, save_interval=1000, chkpt_on_preemption=False) as mgr:
+        assert mgr.all_steps() == [preempted_step]
+        state = {"weights": torch.full((16,), -1.0), "step": -1}
+        mgr.restore(preempted_step, state)
+    assert torch.equal(state["weights"], torch.full((16,), float(preempted_step)))
+    assert state["step"] == preempted_step
+
+
+def test_close_restores_the_previous_sigterm_handler(ckpt_dir: Path) -> None:
+    calls: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        calls.append(signum)
+
+    original = signal.signal(signal.SIGTERM, handler)
+    try:
+        mgr = CheckpointManager(ckpt_dir, save_interval=10, chkpt_on_preemption=True)
+        assert signal.getsignal(signal.SIGTERM) is not handler
+        mgr.close()
+        assert signal.getsignal(signal.SIGTERM) is handler
+        mgr.close()  # idempotent: the handler stays put
+        assert signal.getsignal(signal.SIGTERM) is handler
+
+        with CheckpointManager(ckpt_dir, save_interval=10, chkpt_on_preemption=True):
+            assert signal.getsignal(signal.SIGTERM) is not handler
+        assert signal.getsignal(signal.SIGTERM) is handler
+
+        with CheckpointManager(ckpt_dir, save_interval=10, chkpt_on_preemption=False):
+            assert signal.getsignal(signal.SIGTERM) is handler
+        assert calls == []
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
+def test_close_restores_the_default_sigterm_disposition(ckpt_dir: Path) -> None:
+    original = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with CheckpointManager(ckpt_dir, save_interval=10, chkpt_on_preemption=True):
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, original)
