@@ -19,7 +19,7 @@ from ckptmgr.retention import (
     KeepLatest,
     RetentionPolicy,
 )
-from ckptmgr.stateful import RNGState, StateDict, Stateful
+from ckptmgr.stateful import PerRank, RNGState, StateDict, Stateful
 
 __all__ = [
     "AnyOf",
@@ -30,6 +30,7 @@ __all__ = [
     "CommitRecord",
     "KeepAll",
     "KeepLatest",
+    "PerRank",
     "PreemptionConfig",
     "RNGState",
     "RetentionPolicy",

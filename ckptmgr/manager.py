@@ -255,7 +255,7 @@ class CheckpointManager:
         wanted, preempt = self._decide(step, force=force, warn=True)
         if not wanted:
             return None
-        flat = flatten(state_dict)
+        flat = flatten(state_dict, self._comm.rank)
         with self._lock:
             self._in_flight.add(step)
         if preempt:
@@ -494,7 +494,7 @@ class CheckpointManager:
         own_objects = objects_file_name(self._comm.rank)
         objects_name = own_objects if own_objects in record.object_files else objects_file_name(0)
         saved_objects = self._storage.read_objects(step, objects_name)
-        plan = plan_restore(state_dict, record.tensors.keys(), saved_objects)
+        plan = plan_restore(state_dict, record.tensors.keys(), saved_objects, self._comm.rank)
         reader = dcp_io.make_reader(
             self._storage.url_for(self._storage.step_path(step)),
             local=self._storage.is_local,

@@ -4,6 +4,11 @@ A state is a dict whose values may be tensors, objects with ``state_dict()``/``l
 and nested dicts/lists/tuples of those and of plain values. Every leaf gets a path such as
 ``"model/fc1.weight"`` or ``"optim/state/0/exp_avg"``. A container that holds no tensor is stored
 whole as one plain value.
+
+Plain tensors follow DCP's rule: the same path on every rank holds the same (replicated) values
+and is written once. Tensors under :class:`~ckptmgr.PerRank` (and inside ``RNGState``) differ
+between ranks: they are stored under a rank-private name, ``%rank00003%/<path>``, which no user
+path can collide with because ``%`` in keys is escaped.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 
 from ckptmgr import objects
 from ckptmgr.errors import CheckpointError
-from ckptmgr.stateful import is_stateful
+from ckptmgr.stateful import PerRank, is_per_rank, is_stateful
 
 
 def join_path(parent: str, key: object) -> str:
@@ -33,26 +38,39 @@ class FlatState:
     objects: dict[str, Any] = field(default_factory=dict)
 
 
-def flatten(state: Mapping[str, Any]) -> FlatState:
-    """Split ``state`` into tensors and encoded plain values (copies of the plain values)."""
+def rank_private_name(path: str, rank: int) -> str:
+    """The stored name of a per-rank tensor at ``path`` on ``rank``."""
+    return f"%rank{rank:05d}%/{path}"
+
+
+def flatten(state: Mapping[str, Any], rank: int = 0) -> FlatState:
+    """Split ``state`` into tensors (by stored name) and encoded plain values (by path).
+
+    The plain values are encoded copies; the tensors are the caller's own objects.
+    """
     if not isinstance(state, Mapping):
         raise CheckpointError(f"state_dict must be a dict, got {type(state).__qualname__}")
     flat = FlatState()
     for key, value in state.items():
-        _flatten_value(value, join_path("", key), flat)
+        _flatten_value(value, join_path("", key), flat, rank, private=False)
     return flat
 
 
-def _flatten_value(value: Any, path: str, flat: FlatState) -> None:
+def _flatten_value(value: Any, path: str, flat: FlatState, rank: int, private: bool) -> None:
     if isinstance(value, torch.Tensor):
-        _claim(path, flat)
-        flat.tensors[path] = value
+        name = rank_private_name(path, rank) if private else path
+        _claim(name, flat)
+        flat.tensors[name] = value
+        return
+    if isinstance(value, PerRank):
+        _flatten_value(value.value, path, flat, rank, private=True)
         return
     if is_stateful(value):
+        private = private or is_per_rank(value)
         value = value.state_dict()
     if isinstance(value, (dict, list, tuple)) and _contains_tensor(value):
         for key, item in _items(value):
-            _flatten_value(item, join_path(path, key), flat)
+            _flatten_value(item, join_path(path, key), flat, rank, private)
         return
     _claim(path, flat)
     flat.objects[path] = objects.encode(value, path)
@@ -73,6 +91,8 @@ def _items(container: dict | list | tuple) -> Iterable[tuple[object, Any]]:
 def _contains_tensor(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return True
+    if isinstance(value, PerRank):
+        return _contains_tensor(value.value)
     if is_stateful(value):
         return _contains_tensor(value.state_dict())
     if isinstance(value, (dict, list, tuple)):
@@ -95,63 +115,82 @@ class RestorePlan:
 
 
 def plan_restore(
-    state: Mapping[str, Any], saved_tensors: Iterable[str], saved_objects: Mapping[str, Any]
+    state: Mapping[str, Any],
+    saved_tensors: Iterable[str],
+    saved_objects: Mapping[str, Any],
+    rank: int = 0,
 ) -> RestorePlan:
-    """Match ``state`` against a checkpoint's tensor paths and plain values.
+    """Match ``state`` against a checkpoint's stored tensor names and plain values.
 
+    Per-rank tensors load this rank's copy, or rank 0's when the checkpoint has none for this
+    rank (a job restarted with more ranks, or one process reading a multi-rank checkpoint).
     Raises ``CheckpointError`` naming the first key of ``state`` the checkpoint lacks, and a
     specific error when the checkpoint holds tensors under a path where ``state`` has none (the
     signature of an optimizer whose lazily created state does not exist yet).
     """
     if not isinstance(state, dict):
         raise CheckpointError(f"state_dict must be a dict, got {type(state).__qualname__}")
-    planner = _RestorePlanner(set(saved_tensors), saved_objects)
+    planner = _RestorePlanner(set(saved_tensors), saved_objects, rank)
     for key in list(state):
-        planner.visit_child(state, key, join_path("", key))
+        planner.visit_child(state, key, join_path("", key), private=False)
     # Finishers were appended in post-order: inner containers first, owners' load_state_dict last.
     return planner.plan
 
 
 class _RestorePlanner:
-    def __init__(self, saved_tensors: set[str], saved_objects: Mapping[str, Any]) -> None:
+    def __init__(
+        self, saved_tensors: set[str], saved_objects: Mapping[str, Any], rank: int
+    ) -> None:
         self.saved_tensors = saved_tensors
         self.saved_objects = saved_objects
+        self.rank = rank
         self.plan = RestorePlan()
 
-    def visit_child(self, container: Any, key: Any, path: str) -> None:
+    def stored_names(self, path: str, private: bool) -> list[str]:
+        """Names ``path`` may be stored under, preferred first."""
+        if not private:
+            return [path]
+        return [rank_private_name(path, self.rank), rank_private_name(path, 0)]
+
+    def visit_child(self, container: Any, key: Any, path: str, private: bool) -> None:
         value = container[key]
         if isinstance(value, torch.Tensor):
-            if path not in self.saved_tensors:
+            name = next(
+                (n for n in self.stored_names(path, private) if n in self.saved_tensors), None
+            )
+            if name is None:
                 raise self._missing(path)
-            self.plan.tensors[path] = value
+            self.plan.tensors[name] = value
+            return
+        if isinstance(value, PerRank):
+            self.visit_child(value.__dict__, "value", path, private=True)
             return
         if is_stateful(value):
             owner = value
-            sub_state = owner.state_dict()
-            holder = {"state": sub_state}
-            self._visit_container_or_leaf(holder, "state", path)
+            holder = {"state": owner.state_dict()}
+            self._visit_container_or_leaf(holder, "state", path, private or is_per_rank(owner))
             self.plan.finishers.append(lambda: owner.load_state_dict(holder["state"]))
             return
-        self._visit_container_or_leaf(container, key, path)
+        self._visit_container_or_leaf(container, key, path, private)
 
-    def _visit_container_or_leaf(self, container: Any, key: Any, path: str) -> None:
+    def _visit_container_or_leaf(self, container: Any, key: Any, path: str, private: bool) -> None:
         value = container[key]
         if isinstance(value, (dict, list, tuple)) and _contains_tensor(value):
             if isinstance(value, tuple):
                 items = list(value)
                 for index in range(len(items)):
-                    self.visit_child(items, index, join_path(path, index))
+                    self.visit_child(items, index, join_path(path, index), private)
                 self.plan.finishers.append(lambda: _set(container, key, tuple(items)))
             else:
                 for child_key in list(_keys(value)):
-                    self.visit_child(value, child_key, join_path(path, child_key))
+                    self.visit_child(value, child_key, join_path(path, child_key), private)
             return
         if path in self.saved_objects:
             decoded = objects.decode(self.saved_objects[path])
             self.plan.finishers.append(lambda: _set(container, key, decoded))
             return
-        prefix = path + "/"
-        if any(name.startswith(prefix) for name in self.saved_tensors):
+        prefixes = tuple(name + "/" for name in self.stored_names(path, private))
+        if any(name.startswith(prefixes) for name in self.saved_tensors):
             raise CheckpointError(
                 f"the checkpoint holds tensors under {path!r} but the state to restore has none "
                 "there. If this is an optimizer's state_dict(), its state is created lazily: call "

@@ -30,6 +30,31 @@ def is_stateful(value: Any) -> bool:
     )
 
 
+def is_per_rank(value: Any) -> bool:
+    """True for state whose tensors differ between ranks (``PerRank``, ``RNGState``)."""
+    return isinstance(value, PerRank) or getattr(value, "ckptmgr_per_rank", False) is True
+
+
+class PerRank:
+    """Marks part of a state whose tensors differ from rank to rank.
+
+    Plain tensors are treated as DCP treats them: identical on every rank and written once.
+    Wrap rank-local tensors (per-rank statistics, a rank's data-loader buffers) so that every rank
+    writes and restores its own copy::
+
+        state = {"model": model, "local": PerRank({"seen": seen_counts})}
+
+    Plain values (ints, strings, ...) are always per rank and need no wrapper. On restore a rank
+    gets its own copy, or rank 0's when the checkpoint was written by fewer ranks.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.value!r})"
+
+
 class StateDict:
     """A mutable bag of plain values (and tensors) that restores in place.
 
@@ -77,8 +102,11 @@ class RNGState:
     """Captures and restores the torch, Python ``random`` and (if installed) numpy generators.
 
     CUDA generators are included when CUDA is available. Restoring onto a machine with fewer
-    CUDA devices restores the devices that exist.
+    CUDA devices restores the devices that exist. Generator states are per rank: under
+    torch.distributed every rank saves and restores its own.
     """
+
+    ckptmgr_per_rank = True
 
     def state_dict(self) -> dict[str, Any]:
         """Snapshot every generator's state."""

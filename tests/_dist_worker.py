@@ -1,0 +1,427 @@
+"""Worker of tests/test_distributed.py: one rank of a real ``torchrun`` job (gloo, CPU).
+
+Run as ``torchrun --nproc-per-node 2 tests/_dist_worker.py <scenario> <out_dir> <ckpt_dir> ...``
+with the repository root on ``PYTHONPATH``. Scenarios:
+
+* ``train <ckpt_dir>``: save steps with ``save`` and ``save_async`` + ``join`` (``max_to_keep=2``),
+  gathering every rank's ``all_steps()`` over the training group after each one, then restore the
+  kept steps into fresh objects.
+* ``resume <ckpt_dir> <flaky_dir>``: a new job on ``ckpt_dir`` lists and restores the same steps;
+  then a manager on a file system (``FlakyLocalFileSystem``) whose writes fail on rank 1 only.
+* ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
+  single-process manager lists the steps the 2-rank jobs wrote and restores the replicated state.
+
+Each rank records what it observed and writes it to ``<out_dir>/<scenario>-rank<R>.json`` at the
+end; the test makes every assertion. The test also imports this module for :func:`make_state`,
+:func:`blank_state` and :func:`first_difference`, so that both sides agree on the expected values.
+
+Every wait is bounded: the process group and the managers use short collective timeouts, and
+``faulthandler`` ends (and dumps the stacks of) a rank that is still running after
+``WATCHDOG_S`` seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractFileSystem
+from torch import nn
+
+from ckptmgr import PerRank
+
+COLLECTIVE_TIMEOUT_S = 30.0
+WATCHDOG_S = 90.0
+MAX_TO_KEEP = 2
+# (step, how it is saved): "sync" = save, "async" = save_async + join, "async-nojoin" =
+# save_async followed directly by the next save_async (which waits for a free slot).
+SAVE_PLAN: list[tuple[int, str]] = [
+    (10, "sync"),
+    (20, "async"),
+    (30, "sync"),
+    (40, "async-nojoin"),
+    (50, "async"),
+]
+KEPT_STEPS: list[int] = [40, 50]
+FLAKY_PROTOCOL = "ckptmgr-dist-flaky"
+
+
+# -- the state every rank saves --------------------------------------------------------------------
+def make_model(step: int) -> nn.Module:
+    """The replicated model at ``step``: the same on every rank (same seed, same updates)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        for index, param in enumerate(model.parameters()):
+            param.add_(step * 0.125 + index)
+        batch_norm = model[1]
+        assert isinstance(batch_norm, nn.BatchNorm1d)
+        batch_norm.running_mean.fill_(step * 0.5)  # type: ignore[union-attr]
+        batch_norm.num_batches_tracked.fill_(step)  # type: ignore[union-attr]
+    return model
+
+
+def make_state(step: int, rank: int) -> dict[str, Any]:
+    """What rank ``rank`` saves at ``step``: a replicated model plus per-rank tensor and values."""
+    return {
+        "model": make_model(step),
+        # Same key on every rank, values that depend on the rank: marked PerRank.
+        "local": PerRank(
+            torch.arange(48, dtype=torch.float64).reshape(6, 8) * (rank + 1) + step * 1000
+        ),
+        "local_counts": PerRank(torch.full((5,), rank * 100 + step, dtype=torch.int64)),
+        "progress": {"rank": rank, "tag": f"rank{rank}-step{step}", "history": [rank, step, 0.5]},
+        "seed": 1000 + rank,
+    }
+
+
+def blank_state() -> dict[str, Any]:
+    """A fresh state with the structure of :func:`make_state` and values that no step has."""
+    model = make_model(-1)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.fill_(-7)
+    return {
+        "model": model,
+        "local": PerRank(torch.full((6, 8), -1.0, dtype=torch.float64)),
+        "local_counts": PerRank(torch.full((5,), -1, dtype=torch.int64)),
+        "progress": None,
+        "seed": -1,
+    }
+
+
+def comparable(value: Any) -> Any:
+    """``value`` with modules replaced by their state dicts, for :func:`first_difference`."""
+    if isinstance(value, PerRank):
+        return comparable(value.value)
+    if isinstance(value, nn.Module):
+        return {k: v.detach().clone() for k, v in value.state_dict().items()}
+    if isinstance(value, dict):
+        return {k: comparable(v) for k, v in value.items()}
+    return value
+
+
+def first_difference(actual: Any, expected: Any, path: str = "") -> str | None:
+    """None if ``actual`` equals ``expected`` bit for bit (types included), else where not."""
+    actual, expected = comparable(actual), comparable(expected)
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            return f"{path}: {type(actual).__name__} is not a tensor"
+        if actual.dtype != expected.dtype or actual.shape != expected.shape:
+            got_kind = f"{actual.dtype}{list(actual.shape)}"
+            return f"{path}: {got_kind} != {expected.dtype}{list(expected.shape)}"
+        got = actual.detach().reshape(-1).contiguous().view(torch.uint8)
+        want = expected.detach().reshape(-1).contiguous().view(torch.uint8)
+        if not torch.equal(got, want):
+            head = f"{actual.flatten()[:6].tolist()} != {expected.flatten()[:6].tolist()}"
+            return f"{path}: tensor values differ (first values {head})"
+        return None
+    if type(actual) is not type(expected):
+        return f"{path}: {type(actual).__name__} != {type(expected).__name__}"
+    if isinstance(expected, dict):
+        if list(actual) != list(expected):
+            return f"{path}: keys {list(actual)} != {list(expected)}"
+        for key, value in expected.items():
+            found = first_difference(actual[key], value, f"{path}/{key}")
+            if found is not None:
+                return found
+        return None
+    if isinstance(expected, (list, tuple)):
+        if len(actual) != len(expected):
+            return f"{path}: length {len(actual)} != {len(expected)}"
+        for index, (got, want) in enumerate(zip(actual, expected, strict=True)):
+            found = first_difference(got, want, f"{path}[{index}]")
+            if found is not None:
+                return found
+        return None
+    return None if actual == expected else f"{path}: {actual!r} != {expected!r}"
+
+
+# -- a file system whose writes fail on chosen ranks -----------------------------------------------
+class FlakyLocalFileSystem(AbstractFileSystem):
+    """The local disk behind a non-local protocol; opening a file for writing raises OSError on
+    the ranks in ``failing_ranks``. Not a LocalFileSystem, so ckptmgr and DCP go through fsspec."""
+
+    protocol = FLAKY_PROTOCOL
+    root_marker = "/"
+    failing_ranks: ClassVar[frozenset[int]] = frozenset()
+
+    def __init__(self, **storage_options: Any) -> None:
+        super().__init__(**storage_options)
+        self.local = LocalFileSystem()
+
+    def _p(self, path: Any) -> str:
+        return self._strip_protocol(path)
+
+    def _open(self, path: Any, mode: str = "rb", **kwargs: Any) -> Any:
+        rank = int(os.environ.get("RANK", "0"))
+        if any(flag in mode for flag in "wax+") and rank in type(self).failing_ranks:
+            raise OSError(f"injected write failure on rank {rank}: {path}")
+        return self.local._open(self._p(path), mode=mode, **kwargs)
+
+    def ls(self, path: Any, detail: bool = True, **kwargs: Any) -> Any:
+        return self.local.ls(self._p(path), detail=detail)
+
+    def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.local.info(self._p(path))
+
+    def makedirs(self, path: Any, exist_ok: bool = False) -> None:
+        self.local.makedirs(self._p(path), exist_ok=exist_ok)
+
+    def mkdir(self, path: Any, create_parents: bool = True, **kwargs: Any) -> None:
+        self.local.mkdir(self._p(path), create_parents=create_parents)
+
+    def rm_file(self, path: Any) -> None:
+        self.local.rm_file(self._p(path))
+
+    def rmdir(self, path: Any) -> None:
+        self.local.rmdir(self._p(path))
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        self.local.rm(self._p(path), recursive=recursive, maxdepth=maxdepth)
+
+    def mv(self, path1: Any, path2: Any, **kwargs: Any) -> None:
+        self.local.mv(self._p(path1), self._p(path2))
+
+    def cp_file(self, path1: Any, path2: Any, **kwargs: Any) -> None:
+        self.local.cp_file(self._p(path1), self._p(path2))
+
+    def modified(self, path: Any) -> datetime.datetime:
+        return self.local.modified(self._p(path))
+
+
+# -- running the scenarios -------------------------------------------------------------------------
+def _error_record(exc: BaseException | None) -> dict[str, Any] | None:
+    if exc is None:
+        return None
+    cause = exc.__cause__
+    return {
+        "type": type(exc).__name__,
+        "is_checkpoint_error": _is_checkpoint_error(exc),
+        "message": str(exc)[:2000],
+        "cause": None if cause is None else f"{type(cause).__name__}: {str(cause)[:2000]}",
+    }
+
+
+def _is_checkpoint_error(exc: BaseException) -> bool:
+    from ckptmgr import CheckpointError
+
+    return isinstance(exc, CheckpointError)
+
+
+def _call(action: Callable[[], Any]) -> tuple[Any, dict[str, Any] | None]:
+    """(result, None) or (None, a description of the exception ``action`` raised)."""
+    try:
+        return action(), None
+    except Exception as exc:
+        return None, _error_record(exc)
+
+
+def _gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` over the default (training) group."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _disk_steps(directory: str) -> list[str]:
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def _restore_checks(manager: Any, steps: list[int], rank: int) -> list[dict[str, Any]]:
+    """Restore each of ``steps`` into a fresh state; where each top-level key differs, if at all."""
+    results = []
+    for step in steps:
+        fresh = blank_state()
+        _, error = _call(lambda fresh=fresh, step=step: manager.restore(step, fresh))
+        expected = make_state(step, rank)
+        results.append(
+            {
+                "step": step,
+                "error": error,
+                "differences": {
+                    key: first_difference(fresh[key], value, key) for key, value in expected.items()
+                },
+                "progress": fresh["progress"],
+                "seed": fresh["seed"],
+            }
+        )
+    return results
+
+
+def scenario_train(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from ckptmgr import CheckpointManager
+
+    manager = CheckpointManager(
+        ckpt_dir,
+        save_interval=10,
+        max_to_keep=MAX_TO_KEEP,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+    )
+    record: dict[str, Any] = {"initial_steps": manager.all_steps(), "saves": []}
+    state = make_state(0, rank)
+    for step, how in SAVE_PLAN:
+        fresh = make_state(step, rank)
+        state["model"].load_state_dict(fresh["model"].state_dict())
+        state["local"].value.copy_(fresh["local"].value)
+        state["local_counts"].value.copy_(fresh["local_counts"].value)
+        state["progress"], state["seed"] = fresh["progress"], fresh["seed"]
+        entry: dict[str, Any] = {"step": step, "how": how, "should_save": manager.should_save(step)}
+        if how == "sync":
+            entry["returned"], entry["error"] = _call(lambda step=step: manager.save(step, state))
+        else:
+            entry["returned"], entry["error"] = _call(
+                lambda step=step: manager.save_async(step, state)
+            )
+            # Training goes on while the write runs: mutate the state and use the training group.
+            state["local"].value.add_(0.5)
+            state["local_counts"].value.add_(1)
+            grad = torch.full((4,), float(rank + 1))
+            dist.all_reduce(grad)
+            entry["training_all_reduce"] = grad.tolist()
+            if how == "async":
+                _, entry["join_error"] = _call(manager.join)
+        if how != "async-nojoin":
+            entry["all_steps_by_rank"] = _gather(manager.all_steps())
+            entry["latest_by_rank"] = _gather(manager.latest_step())
+            # Rank 0 deletes in its own background job: look at the disk once every rank is here.
+            dist.barrier()
+            entry["disk"] = _disk_steps(ckpt_dir)
+        record["saves"].append(entry)
+    record["repeat_save"] = _call(lambda: manager.save(50, state))[0]
+    record["restores"] = _restore_checks(manager, KEPT_STEPS, rank)
+    record["restore_deleted"] = _call(lambda: manager.restore(10, blank_state()))[1]
+    record["close_error"] = _call(manager.close)[1]
+    return record
+
+
+def scenario_resume(rank: int, ckpt_dir: str, flaky_dir: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from ckptmgr import CheckpointManager
+
+    record: dict[str, Any] = {}
+    with CheckpointManager(
+        ckpt_dir,
+        save_interval=10,
+        max_to_keep=MAX_TO_KEEP,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+    ) as manager:
+        record["steps_by_rank"] = _gather(manager.all_steps())
+        record["restores"] = _restore_checks(manager, KEPT_STEPS, rank)
+
+    # A failure on rank 1 only, in the middle of the background write.
+    fsspec.register_implementation(FLAKY_PROTOCOL, FlakyLocalFileSystem, clobber=True)
+    FlakyLocalFileSystem.failing_ranks = frozenset({1})
+    url = f"{FLAKY_PROTOCOL}://{flaky_dir}"
+    manager = CheckpointManager(
+        url, save_interval=1, max_to_keep=MAX_TO_KEEP, collective_timeout_s=COLLECTIVE_TIMEOUT_S
+    )
+    state = make_state(1, rank)
+    fault: dict[str, Any] = {"initial_steps": manager.all_steps()}
+    fault["async_returned"], fault["async_error"] = _call(lambda: manager.save_async(1, state))
+    _, fault["join_error"] = _call(manager.join)
+    _, fault["second_join_error"] = _call(manager.join)
+    fault["steps_after_async_failure"] = _gather(manager.all_steps())
+    dist.barrier()
+    fault["disk_after_async_failure"] = _disk_steps(flaky_dir)
+    fault["sync_returned"], fault["sync_error"] = _call(lambda: manager.save(2, state))
+    fault["steps_after_sync_failure"] = _gather(manager.all_steps())
+
+    # The fault is gone: the same manager (same groups) must still save and agree.
+    FlakyLocalFileSystem.failing_ranks = frozenset()
+    fault["recovered_returned"], fault["recovered_error"] = _call(
+        lambda: manager.save(3, make_state(3, rank))
+    )
+    fault["steps_after_recovery"] = _gather(manager.all_steps())
+    fault["recovered_restores"] = _restore_checks(manager, [3], rank)
+    fault["close_error"] = _call(manager.close)[1]
+    dist.barrier()
+    fault["disk_final"] = _disk_steps(flaky_dir)
+    record["fault"] = fault
+    return record
+
+
+def scenario_single(ckpt_dir: str) -> dict[str, Any]:
+    """A plain single process (no torch.distributed) on the directory the 2-rank jobs wrote."""
+    import torch.distributed as dist
+
+    from ckptmgr import CheckpointManager
+
+    with CheckpointManager(
+        ckpt_dir, save_interval=10, max_to_keep=MAX_TO_KEEP, chkpt_on_preemption=False
+    ) as manager:
+        record: dict[str, Any] = {
+            "distributed": dist.is_available() and dist.is_initialized(),
+            "steps": manager.all_steps(),
+            "latest": manager.latest_step(),
+            "restores": [],
+        }
+        for step in KEPT_STEPS:
+            # The replicated part of the state, and rank 0's plain values (the fallback file).
+            fresh = blank_state()
+            state = {key: fresh[key] for key in ("model", "progress", "seed")}
+            _, error = _call(lambda state=state, step=step: manager.restore(step, state))
+            expected = make_state(step, 0)
+            record["restores"].append(
+                {
+                    "step": step,
+                    "error": error,
+                    "differences": {
+                        key: first_difference(state[key], expected[key], key) for key in state
+                    },
+                }
+            )
+    return record
+
+
+def main(argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    scenario, out_dir, *paths = argv
+    distributed = scenario != "single"
+    if distributed:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    rank = dist.get_rank() if distributed else 0
+    record: dict[str, Any] = {
+        "rank": rank,
+        "world_size": dist.get_world_size() if distributed else 1,
+    }
+    try:
+        if scenario == "train":
+            record.update(scenario_train(rank, *paths))
+        elif scenario == "resume":
+            record.update(scenario_resume(rank, *paths))
+        elif scenario == "single":
+            record.update(scenario_single(*paths))
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}")
+    except Exception:
+        record["crash"] = traceback.format_exc()
+    target = Path(out_dir) / f"{scenario}-rank{rank}.json"
+    temporary = target.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record, indent=1, default=repr))
+    temporary.rename(target)
+    if distributed:
+        dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,304 @@
+"""CheckpointManager under real ``torchrun`` jobs (2 ranks, gloo on 127.0.0.1, CPU only).
+
+Three launches share one checkpoint directory, in order (module-scoped fixtures):
+
+1. ``train``: a 2-rank job saves steps 10..50 with ``save`` and ``save_async`` (``max_to_keep=2``),
+   and restores the kept steps into fresh objects;
+2. ``resume``: a new 2-rank job on the same directory lists and restores the same steps, then runs
+   a manager on a file system whose writes fail on rank 1 only;
+3. ``single``: a plain single process (no torch.distributed) on the same directory.
+
+Each rank of a job writes what it observed to a JSON file (see ``tests/_dist_worker.py``); every
+assertion is made here. Every launch is bounded in time, and a launch that overruns is killed with
+its whole process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _dist_worker import KEPT_STEPS, MAX_TO_KEEP, SAVE_PLAN
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "_dist_worker.py"
+NPROC = 2
+LAUNCH_TIMEOUT_S = 120.0
+PORT_ATTEMPTS = 3
+
+# all_steps() expected after each save of SAVE_PLAN that is followed by a join (max_to_keep=2).
+EXPECTED_STEPS_AFTER: dict[int, list[int]] = {10: [10], 20: [10, 20], 30: [20, 30], 50: [40, 50]}
+REPLICATED_AND_PLAIN_KEYS = ("model", "progress", "seed")
+PER_RANK_TENSOR_KEYS = ("local", "local_counts")
+
+
+@dataclass
+class Launch:
+    """One finished run of the worker: its exit status, output and every rank's record."""
+
+    name: str
+    command: list[str]
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        tail = (self.stdout + self.stderr)[-6000:]
+        return (
+            f"{self.name}: exit status {self.returncode} after {self.seconds:.1f}s\n"
+            f"command: {' '.join(self.command)}\n--- output (tail) ---\n{tail}"
+        )
+
+    def checked_records(self, ranks: int) -> dict[int, dict[str, Any]]:
+        """Every rank's record; fails the test if the job failed, hung or a rank crashed."""
+        assert self.returncode == 0, self.describe()
+        assert sorted(self.records) == list(range(ranks)), (
+            f"records of ranks {sorted(self.records)}\n{self.describe()}"
+        )
+        crashes = [
+            f"rank {r}:\n{rec['crash']}" for r, rec in self.records.items() if "crash" in rec
+        ]
+        assert not crashes, "\n".join(crashes) + "\n" + self.describe()
+        for rank, record in self.records.items():
+            assert record["rank"] == rank and record["world_size"] == ranks
+        return self.records
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _run_bounded(name: str, command: list[str], out_dir: Path, timeout: float) -> Launch:
+    """Run ``command`` in its own process group; on timeout kill the group (torchrun's workers
+    included) so that nothing outlives the test."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), str(WORKER.parent)]),
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+    )
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        returncode: int | None = process.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate(timeout=30)
+        stderr += f"\n[test] killed after {timeout:.0f}s: the job hung"
+        returncode = None
+    launch = Launch(name, command, returncode, stdout, stderr, time.monotonic() - started)
+    for path in sorted(out_dir.glob(f"{name}-rank*.json")):
+        record = json.loads(path.read_text())
+        launch.records[int(record["rank"])] = record
+    return launch
+
+
+def _torchrun(name: str, out_dir: Path, *paths: Path) -> Launch:
+    """``torchrun --nproc-per-node 2 _dist_worker.py name out_dir paths...`` on a free port."""
+    launch: Launch | None = None
+    for _ in range(PORT_ATTEMPTS):  # the free port may be taken between probing and binding
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(NPROC),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "--max-restarts",
+            "0",
+            "--monitor-interval",
+            "0.1",
+            str(WORKER),
+            name,
+            str(out_dir),
+            *map(str, paths),
+        ]
+        launch = _run_bounded(name, command, out_dir, LAUNCH_TIMEOUT_S)
+        if launch.returncode == 0 or "address already in use" not in launch.stderr.lower():
+            break
+    assert launch is not None
+    return launch
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("distributed")
+    paths = {"ckpt": base / "ckpt", "flaky": base / "flaky", "out": base / "out"}
+    paths["out"].mkdir()
+    return paths
+
+
+@pytest.fixture(scope="module")
+def train(dirs: dict[str, Path]) -> Launch:
+    return _torchrun("train", dirs["out"], dirs["ckpt"])
+
+
+@pytest.fixture(scope="module")
+def resume(train: Launch, dirs: dict[str, Path]) -> Launch:
+    return _torchrun("resume", dirs["out"], dirs["ckpt"], dirs["flaky"])
+
+
+@pytest.fixture(scope="module")
+def single(resume: Launch, dirs: dict[str, Path]) -> Launch:
+    command = [sys.executable, str(WORKER), "single", str(dirs["out"]), str(dirs["ckpt"])]
+    return _run_bounded("single", command, dirs["out"], LAUNCH_TIMEOUT_S)
+
+
+def _step_dirs(steps: list[int]) -> list[str]:
+    return [f"step_{step:012d}" for step in steps]
+
+
+# -- 1. one 2-rank job: save, list, prune, restore -------------------------------------------------
+def test_every_save_is_listed_identically_on_both_ranks(train: Launch) -> None:
+    records = train.checked_records(NPROC)
+    for rank, record in records.items():
+        assert record["initial_steps"] == []
+        assert [(entry["step"], entry["how"]) for entry in record["saves"]] == SAVE_PLAN
+        for entry in record["saves"]:
+            where = f"rank {rank}, step {entry['step']} ({entry['how']})"
+            assert entry["should_save"] is True, where
+            assert entry["error"] is None, where
+            assert entry["returned"] is True, where
+            assert entry.get("join_error") is None, where
+            if "training_all_reduce" in entry:  # the training group works during a background save
+                assert entry["training_all_reduce"] == [3.0] * 4, where
+            if entry["step"] in EXPECTED_STEPS_AFTER:
+                expected = EXPECTED_STEPS_AFTER[entry["step"]]
+                assert entry["all_steps_by_rank"] == [expected] * NPROC, where
+                assert entry["latest_by_rank"] == [expected[-1]] * NPROC, where
+        assert record["repeat_save"] is False, f"rank {rank}: step 50 was saved twice"
+        assert record["restore_deleted"]["type"] == "StepNotFoundError"
+        assert record["close_error"] is None
+    assert records[0]["saves"] == records[1]["saves"]
+
+
+def test_storage_holds_exactly_max_to_keep_step_dirs(train: Launch, dirs: dict[str, Path]) -> None:
+    records = train.checked_records(NPROC)
+    for rank, record in records.items():
+        for entry in record["saves"]:
+            if entry["step"] in EXPECTED_STEPS_AFTER:
+                assert entry["disk"] == _step_dirs(EXPECTED_STEPS_AFTER[entry["step"]]), (
+                    f"rank {rank} after step {entry['step']}"
+                )
+    assert len(KEPT_STEPS) == MAX_TO_KEEP
+    assert sorted(os.listdir(dirs["ckpt"])) == _step_dirs(KEPT_STEPS)
+
+
+@pytest.mark.parametrize("job", ["train", "resume"])
+def test_restore_replicated_module_and_per_rank_plain_values(
+    job: str, request: pytest.FixtureRequest
+) -> None:
+    launch: Launch = request.getfixturevalue(job)
+    records = launch.checked_records(NPROC)
+    for rank, record in records.items():
+        assert [r["step"] for r in record["restores"]] == KEPT_STEPS
+        for restored in record["restores"]:
+            where = f"{job}: rank {rank}, step {restored['step']}"
+            assert restored["error"] is None, where
+            for key in REPLICATED_AND_PLAIN_KEYS:
+                assert restored["differences"][key] is None, f"{where}: {key}"
+            assert restored["progress"]["rank"] == rank, where
+            assert restored["seed"] == 1000 + rank, where
+
+
+@pytest.mark.parametrize("job", ["train", "resume"])
+def test_restore_per_rank_tensors_bit_exact(job: str, request: pytest.FixtureRequest) -> None:
+    """Each rank saved a PerRank tensor under the same key, values of its own; each gets its own."""
+    launch: Launch = request.getfixturevalue(job)
+    records = launch.checked_records(NPROC)
+    wrong = [
+        f"rank {rank}, step {restored['step']}: {restored['differences'][key]}"
+        for rank, record in records.items()
+        for restored in record["restores"]
+        for key in PER_RANK_TENSOR_KEYS
+        if restored["differences"][key] is not None
+    ]
+    assert not wrong, "per-rank tensors did not round-trip:\n" + "\n".join(wrong)
+
+
+# -- 2. a new 2-rank job on the same directory -----------------------------------------------------
+def test_new_job_lists_the_same_steps(resume: Launch) -> None:
+    records = resume.checked_records(NPROC)
+    for record in records.values():
+        assert record["steps_by_rank"] == [KEPT_STEPS] * NPROC
+
+
+# -- 3. a plain single process on the same directory -----------------------------------------------
+def test_single_process_lists_and_restores_replicated_state(single: Launch) -> None:
+    record = single.checked_records(1)[0]
+    assert record["distributed"] is False
+    assert record["steps"] == KEPT_STEPS
+    assert record["latest"] == KEPT_STEPS[-1]
+    assert [r["step"] for r in record["restores"]] == KEPT_STEPS
+    for restored in record["restores"]:
+        assert restored["error"] is None, restored
+        assert restored["differences"] == dict.fromkeys(REPLICATED_AND_PLAIN_KEYS), restored
+
+
+# -- 4. a write that fails on rank 1 only ----------------------------------------------------------
+def test_write_failure_on_rank_1_fails_the_save_on_both_ranks(resume: Launch) -> None:
+    records = resume.checked_records(NPROC)
+    for rank, record in records.items():
+        fault = record["fault"]
+        assert fault["initial_steps"] == []
+        # save_async only stages and queues: it succeeds on both ranks.
+        assert fault["async_error"] is None, f"rank {rank}"
+        assert fault["async_returned"] is True, f"rank {rank}"
+        # The background write failed on rank 1; join() reports it on every rank, exactly once.
+        join_error = fault["join_error"]
+        assert join_error is not None, f"rank {rank}: join() did not raise"
+        assert join_error["is_checkpoint_error"], f"rank {rank}: {join_error}"
+        assert "rank 1" in join_error["message"], join_error
+        assert "injected write failure" in join_error["message"], join_error
+        assert join_error["cause"] is not None, f"rank {rank}: no __cause__"
+        assert fault["second_join_error"] is None, f"rank {rank}: the error was raised twice"
+        assert fault["steps_after_async_failure"] == [[]] * NPROC, f"rank {rank}"
+        assert fault["disk_after_async_failure"] == [], f"rank {rank}: data of a failed save"
+        # A synchronous save that fails on rank 1 raises on both ranks.
+        assert fault["sync_returned"] is None, f"rank {rank}: save() returned"
+        assert fault["sync_error"] is not None, f"rank {rank}: save() did not raise"
+        assert fault["sync_error"]["is_checkpoint_error"], fault["sync_error"]
+        assert fault["steps_after_sync_failure"] == [[]] * NPROC, f"rank {rank}"
+
+
+def test_saves_work_again_after_the_fault_is_gone(resume: Launch, dirs: dict[str, Path]) -> None:
+    records = resume.checked_records(NPROC)
+    for rank, record in records.items():
+        fault = record["fault"]
+        assert fault["recovered_error"] is None, f"rank {rank}"
+        assert fault["recovered_returned"] is True, f"rank {rank}"
+        assert fault["steps_after_recovery"] == [[3]] * NPROC, f"rank {rank}"
+        (restored,) = fault["recovered_restores"]
+        assert restored["error"] is None, f"rank {rank}"
+        for key in REPLICATED_AND_PLAIN_KEYS:
+            assert restored["differences"][key] is None, f"rank {rank}: {key}"
+        assert fault["close_error"] is None, f"rank {rank}"
+        assert fault["disk_final"] == _step_dirs([3]), f"rank {rank}"
+    assert sorted(os.listdir(dirs["flaky"])) == _step_dirs([3])
