@@ -64,11 +64,15 @@ class BackgroundWriter:
             if not keep_error:
                 raise error from error.__cause__
             log.error("%s failed", description, exc_info=exc)
-            with self._lock:
-                self._errors.append(error)
+            self.record_error(error)
         finally:
             if cleanup is not None:
                 cleanup()
+
+    def record_error(self, error: CheckpointError) -> None:
+        """Keep ``error`` to be raised by :meth:`raise_first_error`."""
+        with self._lock:
+            self._errors.append(error)
 
     @property
     def busy(self) -> bool:

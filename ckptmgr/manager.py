@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import operator
 import os
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptmgr import dcp_io, objects, retention
+from ckptmgr import dcp_io, retention
 from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter
 from ckptmgr.collectives import Collectives
@@ -42,7 +43,6 @@ class _SaveRequest:
     objects: dict[str, Any]
     metrics: dict[str, float]
     metadata: dict[str, Any]
-    for_preemption: bool
 
 
 @dataclass
@@ -133,6 +133,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """True iff ``step`` is a multiple of ``save_interval`` or a preemption notice is
         pending, and ``step`` is not already committed (or being written)."""
+        self._check_open()
         step = _checked_step(step)
         return self._decide(step, force=False, warn=False)[0]
 
@@ -140,11 +141,14 @@ class CheckpointManager:
         """(save now?, is it the preemption save?) for ``step``."""
         preempt = self._preemption_requested()
         with self._lock:
-            taken = step in self._committed or step in self._in_flight
+            committed = step in self._committed
+            taken = committed or step in self._in_flight
         if taken:
-            if preempt:  # the notice is answered by the checkpoint that already exists
+            if preempt and committed:  # the notice is answered by the existing checkpoint
                 self._preemption_reached = step
                 self._clear_preemption_notice()
+            elif preempt:  # answered once the write in flight for this step commits
+                self._preemption_claimed = step
             if warn and (force or step % self.config.save_interval == 0):
                 log.warning(
                     "step %d is already committed or being saved; not saving it again", step
@@ -260,14 +264,12 @@ class CheckpointManager:
             self._in_flight.add(step)
         if preempt:
             self._preemption_claimed = step
-        return _SaveRequest(
-            step, flat.tensors, flat.objects, checked_metrics, checked_metadata, preempt
-        )
+        return _SaveRequest(step, flat.tensors, flat.objects, checked_metrics, checked_metadata)
 
     def _abandon(self, request: _SaveRequest) -> None:
         with self._lock:
             self._in_flight.discard(request.step)
-        if request.for_preemption:
+        if self._preemption_claimed == request.step:
             self._preemption_claimed = None
 
     def _write(self, request: _SaveRequest) -> None:
@@ -327,13 +329,17 @@ class CheckpointManager:
         with self._lock:
             self._committed.add(step)
             self._committed.difference_update(outcome.deleted)
-        if request.for_preemption:
+        if self._preemption_claimed == step:
             self._preemption_reached = step
             self._preemption_claimed = None
             self._clear_preemption_notice()
         log.info("committed step %d", step)
         if comm.is_coordinator and outcome.deleted:
-            self._delete_steps(outcome.deleted)
+            try:
+                self._delete_steps(outcome.deleted)
+            except CheckpointError as exc:  # step is committed: report at join/next save/close
+                log.error("%s", exc, exc_info=exc.__cause__)
+                self._writer.record_error(exc)
 
     def _commit_and_plan_retention(
         self,
@@ -395,16 +401,16 @@ class CheckpointManager:
             except Exception as exc:
                 failures.append((step, exc))
         if failures:
-            step, exc = failures[0]
+            _, exc = failures[0]
             raise CheckpointError(
-                f"retention could not delete step(s) {[s for s, _ in failures]}; they are "
-                "no longer listed (commit records are removed first or the delete never started)"
+                f"retention could not delete step(s) {[s for s, _ in failures]}; they are no "
+                "longer listed by this manager and a later manager removes or lists them again"
             ) from exc
 
     def _finish_failed(
         self, request: _SaveRequest, error: CheckpointError, cause: BaseException | None = None
     ) -> None:
-        if request.for_preemption:
+        if self._preemption_claimed == request.step:
             self._preemption_claimed = None  # the next step tries again
         if cause is not None:
             raise error from cause
@@ -486,7 +492,7 @@ class CheckpointManager:
             known = set(self._committed)
         if step not in known:
             raise StepNotFoundError(step, known)
-        if not isinstance(state_dict, dict):
+        if not isinstance(state_dict, MutableMapping):
             raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__qualname__}")
         record = self._storage.read_record(step)
         for optimizer in optimizer_paths_needing_prime(state_dict, record.tensors):
@@ -566,9 +572,11 @@ def _checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metadata, Mapping):
         raise ValueError(f"metadata must be a dict, got {type(metadata).__qualname__}")
     try:
-        return {str(k): objects.encode(v, f"metadata/{k}") for k, v in metadata.items()}
-    except CheckpointError as exc:
-        raise ValueError(str(exc)) from None
+        return json.loads(json.dumps(dict(metadata), allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"metadata must be a JSON document (str keys, finite numbers): {exc}"
+        ) from None
 
 
 def _tensor_entries(dcp_metadata: Any) -> dict[str, TensorEntry]:

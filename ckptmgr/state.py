@@ -6,14 +6,14 @@ and nested dicts/lists/tuples of those and of plain values. Every leaf gets a pa
 whole as one plain value.
 
 Plain tensors follow DCP's rule: the same path on every rank holds the same (replicated) values
-and is written once. Tensors under :class:`~ckptmgr.PerRank` (and inside ``RNGState``) differ
-between ranks: they are stored under a rank-private name, ``%rank00003%/<path>``, which no user
-path can collide with because ``%`` in keys is escaped.
+and is written once. Tensors under :class:`~ckptmgr.PerRank` differ between ranks: they are
+stored under a rank-private name, ``%rank00003%/<path>``, which no user path can collide with
+because ``%`` in keys is escaped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 
 from ckptmgr import objects
 from ckptmgr.errors import CheckpointError
-from ckptmgr.stateful import PerRank, is_per_rank, is_stateful
+from ckptmgr.stateful import PerRank, is_stateful
 
 
 def join_path(parent: str, key: object) -> str:
@@ -66,7 +66,6 @@ def _flatten_value(value: Any, path: str, flat: FlatState, rank: int, private: b
         _flatten_value(value.value, path, flat, rank, private=True)
         return
     if is_stateful(value):
-        private = private or is_per_rank(value)
         value = value.state_dict()
     if isinstance(value, (dict, list, tuple)) and _contains_tensor(value):
         for key, item in _items(value):
@@ -128,7 +127,7 @@ def plan_restore(
     specific error when the checkpoint holds tensors under a path where ``state`` has none (the
     signature of an optimizer whose lazily created state does not exist yet).
     """
-    if not isinstance(state, dict):
+    if not isinstance(state, MutableMapping):
         raise CheckpointError(f"state_dict must be a dict, got {type(state).__qualname__}")
     planner = _RestorePlanner(set(saved_tensors), saved_objects, rank)
     for key in list(state):
@@ -168,7 +167,7 @@ class _RestorePlanner:
         if is_stateful(value):
             owner = value
             holder = {"state": owner.state_dict()}
-            self._visit_container_or_leaf(holder, "state", path, private or is_per_rank(owner))
+            self._visit_container_or_leaf(holder, "state", path, private)
             self.plan.finishers.append(lambda: owner.load_state_dict(holder["state"]))
             return
         self._visit_container_or_leaf(container, key, path, private)
@@ -189,7 +188,13 @@ class _RestorePlanner:
             decoded = objects.decode(self.saved_objects[path])
             self.plan.finishers.append(lambda: _set(container, key, decoded))
             return
-        prefixes = tuple(name + "/" for name in self.stored_names(path, private))
+        names = self.stored_names(path, private)
+        if any(name in self.saved_tensors for name in names):
+            raise CheckpointError(
+                f"the checkpoint holds a tensor at {path!r} but the state to restore has a "
+                f"{type(value).__qualname__} there"
+            )
+        prefixes = tuple(name + "/" for name in names)
         if any(name.startswith(prefixes) for name in self.saved_tensors):
             raise CheckpointError(
                 f"the checkpoint holds tensors under {path!r} but the state to restore has none "

@@ -30,11 +30,6 @@ def is_stateful(value: Any) -> bool:
     )
 
 
-def is_per_rank(value: Any) -> bool:
-    """True for state whose tensors differ between ranks (``PerRank``, ``RNGState``)."""
-    return isinstance(value, PerRank) or getattr(value, "ckptmgr_per_rank", False) is True
-
-
 class PerRank:
     """Marks part of a state whose tensors differ from rank to rank.
 
@@ -101,33 +96,35 @@ class StateDict:
 class RNGState:
     """Captures and restores the torch, Python ``random`` and (if installed) numpy generators.
 
-    CUDA generators are included when CUDA is available. Restoring onto a machine with fewer
-    CUDA devices restores the devices that exist. Generator states are per rank: under
-    torch.distributed every rank saves and restores its own.
+    CUDA generators are included when CUDA is available. The states are stored as plain values
+    (bytes and ints), so they are per rank under torch.distributed like every plain value, and a
+    restore applies whichever generators the checkpoint holds: one saved without numpy or CUDA
+    restores onto a machine with them, and CUDA states are applied to the devices that exist.
     """
-
-    ckptmgr_per_rank = True
 
     def state_dict(self) -> dict[str, Any]:
         """Snapshot every generator's state."""
-        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        state: dict[str, Any] = {
+            "torch": _tensor_bytes(torch.get_rng_state()),
+            "python": random.getstate(),
+        }
         np = _numpy()
         if np is not None:
             kind, keys, pos, has_gauss, cached = np.random.get_state()
             state["numpy"] = {
                 "kind": str(kind),
-                "keys": torch.from_numpy(keys.astype("int64")),
+                "keys": [int(k) for k in keys.tolist()],
                 "pos": int(pos),
                 "has_gauss": int(has_gauss),
                 "cached_gaussian": float(cached),
             }
         if torch.cuda.is_available():
-            state["cuda"] = list(torch.cuda.get_rng_state_all())
+            state["cuda"] = [_tensor_bytes(s) for s in torch.cuda.get_rng_state_all()]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Set every generator to the saved state."""
-        torch.set_rng_state(state_dict["torch"].cpu())
+        """Set every generator the checkpoint holds to its saved state."""
+        torch.set_rng_state(_bytes_tensor(state_dict["torch"]))
         random.setstate(_as_tuple(state_dict["python"]))
         np = _numpy()
         if np is not None and "numpy" in state_dict:
@@ -135,7 +132,7 @@ class RNGState:
             np.random.set_state(
                 (
                     saved["kind"],
-                    saved["keys"].cpu().numpy().astype("uint32"),
+                    np.asarray(saved["keys"], dtype=np.uint32),
                     saved["pos"],
                     saved["has_gauss"],
                     saved["cached_gaussian"],
@@ -143,7 +140,15 @@ class RNGState:
             )
         if torch.cuda.is_available() and "cuda" in state_dict:
             states = state_dict["cuda"][: torch.cuda.device_count()]
-            torch.cuda.set_rng_state_all([s.cpu() for s in states])
+            torch.cuda.set_rng_state_all([_bytes_tensor(s) for s in states])
+
+
+def _tensor_bytes(state: torch.Tensor) -> bytes:
+    return bytes(state.cpu().tolist())
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _as_tuple(value: Any) -> Any:

@@ -102,8 +102,16 @@ class CheckpointStorage:
         return bool(self.fs.exists(record))
 
     def read_record(self, step: int) -> CommitRecord:
-        """The commit record of a committed step."""
-        return CommitRecord.from_json(self.fs.cat_file(self.path(step_dir_name(step), RECORD_NAME)))
+        """The commit record of a committed step; ``CheckpointError`` if it is unreadable."""
+        path = self.path(step_dir_name(step), RECORD_NAME)
+        try:
+            return CommitRecord.from_json(self.fs.cat_file(path))
+        except FileNotFoundError as exc:
+            raise CheckpointError(
+                f"commit record {path} is gone (deleted by another process?)"
+            ) from exc
+        except ValueError as exc:  # pydantic.ValidationError and a newer format are ValueErrors
+            raise CheckpointError(f"commit record {path} is damaged or unsupported: {exc}") from exc
 
     def read_objects(self, step: int, name: str) -> dict[str, Any]:
         """One plain-values file of a committed step, as stored (still encoded)."""
