@@ -140,15 +140,15 @@ class CheckpointManager:
     def _decide(self, step: int, *, force: bool, warn: bool) -> tuple[bool, bool]:
         """(save now?, is it the preemption save?) for ``step``."""
         preempt = self._preemption_requested()
-        with self._lock:
+        with self._lock:  # the writer commits and settles claims under the same lock
             committed = step in self._committed
             taken = committed or step in self._in_flight
-        if taken:
             if preempt and committed:  # the notice is answered by the existing checkpoint
                 self._preemption_reached = step
                 self._clear_preemption_notice()
-            elif preempt:  # answered once the write in flight for this step commits
+            elif preempt and taken:  # answered once the write in flight for this step commits
                 self._preemption_claimed = step
+        if taken:
             if warn and (force or step % self.config.save_interval == 0):
                 log.warning(
                     "step %d is already committed or being saved; not saving it again", step
@@ -262,15 +262,15 @@ class CheckpointManager:
         flat = flatten(state_dict, self._comm.rank)
         with self._lock:
             self._in_flight.add(step)
-        if preempt:
-            self._preemption_claimed = step
+            if preempt:
+                self._preemption_claimed = step
         return _SaveRequest(step, flat.tensors, flat.objects, checked_metrics, checked_metadata)
 
     def _abandon(self, request: _SaveRequest) -> None:
         with self._lock:
             self._in_flight.discard(request.step)
-        if self._preemption_claimed == request.step:
-            self._preemption_claimed = None
+            if self._preemption_claimed == request.step:
+                self._preemption_claimed = None
 
     def _write(self, request: _SaveRequest) -> None:
         """Write, commit and prune one step; runs on the background thread of every rank."""
@@ -329,10 +329,10 @@ class CheckpointManager:
         with self._lock:
             self._committed.add(step)
             self._committed.difference_update(outcome.deleted)
-        if self._preemption_claimed == step:
-            self._preemption_reached = step
-            self._preemption_claimed = None
-            self._clear_preemption_notice()
+            if self._preemption_claimed == step:
+                self._preemption_reached = step
+                self._preemption_claimed = None
+                self._clear_preemption_notice()
         log.info("committed step %d", step)
         if comm.is_coordinator and outcome.deleted:
             try:
@@ -410,8 +410,9 @@ class CheckpointManager:
     def _finish_failed(
         self, request: _SaveRequest, error: CheckpointError, cause: BaseException | None = None
     ) -> None:
-        if self._preemption_claimed == request.step:
-            self._preemption_claimed = None  # the next step tries again
+        with self._lock:
+            if self._preemption_claimed == request.step:
+                self._preemption_claimed = None  # the next step tries again
         if cause is not None:
             raise error from cause
         raise error
@@ -572,11 +573,24 @@ def _checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metadata, Mapping):
         raise ValueError(f"metadata must be a dict, got {type(metadata).__qualname__}")
     try:
+        _require_str_keys(metadata, "metadata")
         return json.loads(json.dumps(dict(metadata), allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"metadata must be a JSON document (str keys, finite numbers): {exc}"
         ) from None
+
+
+def _require_str_keys(value: Any, path: str) -> None:
+    """Raise TypeError for a dict key that JSON would silently turn into a string."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"key {key!r} at {path} is not a str")
+            _require_str_keys(item, f"{path}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _require_str_keys(item, f"{path}[{index}]")
 
 
 def _tensor_entries(dcp_metadata: Any) -> dict[str, TensorEntry]:

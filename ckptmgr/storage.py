@@ -115,7 +115,13 @@ class CheckpointStorage:
 
     def read_objects(self, step: int, name: str) -> dict[str, Any]:
         """One plain-values file of a committed step, as stored (still encoded)."""
-        data = json.loads(self.fs.cat_file(self.path(step_dir_name(step), name)))
+        path = self.path(step_dir_name(step), name)
+        try:
+            data = json.loads(self.fs.cat_file(path))
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{path} is missing: the checkpoint is damaged") from exc
+        except ValueError as exc:
+            raise CheckpointError(f"{path} is not valid JSON: the checkpoint is damaged") from exc
         if not isinstance(data, dict):
             raise CheckpointError(f"{name} of step {step} is not a JSON object")
         return data

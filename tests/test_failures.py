@@ -462,6 +462,33 @@ def test_state_dict_that_is_not_a_dict_is_rejected(ckpt_dir: Path, bad_state: An
             mgr.restore(3, bad_state)
 
 
+@pytest.mark.parametrize(
+    "metadata", [{1: "x"}, {"a": {2: "y"}}, {"a": [{None: 1}]}, {"f": float("nan")}]
+)
+def test_metadata_that_is_not_plain_json_is_rejected(ckpt_dir: Path, metadata: Any) -> None:
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        with pytest.raises(ValueError, match="metadata"):
+            mgr.save(1, {"w": torch.ones(2)}, metadata=metadata)
+        assert mgr.all_steps() == []
+
+
+@pytest.mark.parametrize("damage", ["missing", "not-json"])
+def test_damaged_plain_values_file_fails_restore_with_checkpoint_error(
+    ckpt_dir: Path, damage: str
+) -> None:
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        assert mgr.save(1, {"w": torch.ones(2), "n": 3}) is True
+        objects_file = ckpt_dir / "step_000000000001" / "objects-rank00000.json"
+        if damage == "missing":
+            objects_file.unlink()
+        else:
+            objects_file.write_text("{not json")
+        target = {"w": torch.zeros(2), "n": 0}
+        with pytest.raises(CheckpointError, match=r"objects-rank00000\.json"):
+            mgr.restore(1, target)
+        assert target["n"] == 0
+
+
 # -- leftovers of interrupted saves ------------------------------------------------------------
 
 
