@@ -74,12 +74,6 @@ class BackgroundWriter:
         with self._lock:
             self._errors.append(error)
 
-    @property
-    def busy(self) -> bool:
-        """True while any submitted job has not finished."""
-        with self._lock:
-            return any(not f.done() for f in self._pending)
-
     def wait(self) -> None:
         """Wait for every submitted job."""
         with self._lock:

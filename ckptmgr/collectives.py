@@ -63,8 +63,3 @@ class Collectives:
         value = torch.tensor([1 if flag else 0], dtype=torch.int32)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.control_group)
         return bool(value.item())
-
-    def barrier(self, group: dist.ProcessGroup | None) -> None:
-        """Wait for every rank of ``group``."""
-        if self.distributed and self.world_size > 1:
-            dist.barrier(group=group)

@@ -33,11 +33,6 @@ class StagingBuffers:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of host memory held."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
     def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` into the buffers and return the copies, keyed like ``tensors``.
 

@@ -95,12 +95,6 @@ class CheckpointStorage:
         steps = {parse_step_dir_name(p.rstrip("/").split("/")[-2]) for p in found}
         return sorted(s for s in steps if s is not None)
 
-    def is_committed(self, step: int) -> bool:
-        """Whether ``step`` has a commit record right now."""
-        record = self.path(step_dir_name(step), RECORD_NAME)
-        self.fs.invalidate_cache(self.step_path(step))
-        return bool(self.fs.exists(record))
-
     def read_record(self, step: int) -> CommitRecord:
         """The commit record of a committed step; ``CheckpointError`` if it is unreadable."""
         path = self.path(step_dir_name(step), RECORD_NAME)
