@@ -191,13 +191,12 @@ class CheckpointManager:
         if request is None:
             return False
         future = self._writer.submit(
-            f"save of step {step}", lambda: self._write(request), keep_error=False
+            f"save of step {step}",
+            lambda: self._write(request),
+            keep_error=False,
+            cleanup=lambda: self._abandon(request),
         )
-        try:
-            future.result()
-        finally:
-            with self._lock:
-                self._in_flight.discard(step)
+        future.result()
         return True
 
     def save_async(
@@ -234,8 +233,7 @@ class CheckpointManager:
         def cleanup() -> None:
             request.tensors = {}
             self._staging.release(buffers)
-            with self._lock:
-                self._in_flight.discard(request.step)
+            self._abandon(request)
 
         self._writer.submit(
             f"async save of step {step}", lambda: self._write(request), cleanup=cleanup
@@ -267,10 +265,11 @@ class CheckpointManager:
         return _SaveRequest(step, flat.tensors, flat.objects, checked_metrics, checked_metadata)
 
     def _abandon(self, request: _SaveRequest) -> None:
+        """Forget an in-flight request (after its write ended or it was never queued)."""
         with self._lock:
             self._in_flight.discard(request.step)
             if self._preemption_claimed == request.step:
-                self._preemption_claimed = None
+                self._preemption_claimed = None  # not answered: the next step tries again
 
     def _write(self, request: _SaveRequest) -> None:
         """Write, commit and prune one step; runs on the background thread of every rank."""
@@ -286,9 +285,7 @@ class CheckpointManager:
                 prepared = (save_id, f"{type(exc).__name__}: {exc}")
         save_id, prepare_error = comm.broadcast(prepared, group)
         if prepare_error is not None:
-            self._finish_failed(
-                request, CheckpointError(f"could not prepare step {step}: {prepare_error}")
-            )
+            raise CheckpointError(f"could not prepare step {step}: {prepare_error}")
         write_dir = storage.write_dir(step, save_id)
 
         local_error: BaseException | None = None
@@ -324,7 +321,7 @@ class CheckpointManager:
             if comm.is_coordinator:
                 storage.discard(write_dir)
             error = CheckpointError(f"save of step {step} failed: {outcome.error}")
-            self._finish_failed(request, error, cause=local_error or commit_error)
+            raise error from (local_error or commit_error)
 
         with self._lock:
             self._committed.add(step)
@@ -406,16 +403,6 @@ class CheckpointManager:
                 f"retention could not delete step(s) {[s for s, _ in failures]}; they are no "
                 "longer listed by this manager and a later manager removes or lists them again"
             ) from exc
-
-    def _finish_failed(
-        self, request: _SaveRequest, error: CheckpointError, cause: BaseException | None = None
-    ) -> None:
-        with self._lock:
-            if self._preemption_claimed == request.step:
-                self._preemption_claimed = None  # the next step tries again
-        if cause is not None:
-            raise error from cause
-        raise error
 
     # -- waiting and closing ---------------------------------------------------------------------
     def join(self) -> None:
