@@ -56,10 +56,15 @@ class Collectives:
         dist.all_gather_object(out, obj, group=group)
         return out
 
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is True on any rank (one 1-element all_reduce)."""
+    def agree(self, any_flag: bool, coordinator_flag: bool) -> tuple[bool, bool]:
+        """(``any_flag`` of any rank, rank 0's ``coordinator_flag``) on every rank.
+
+        One 2-element all_reduce(MAX) on the control group: other ranks contribute 0 for the
+        second flag, so rank 0's value wins.
+        """
         if not self.distributed or self.world_size == 1:
-            return flag
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            return any_flag, coordinator_flag
+        mine = coordinator_flag if self.is_coordinator else False
+        value = torch.tensor([int(any_flag), int(mine)], dtype=torch.int32)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.control_group)
-        return bool(value.item())
+        return bool(value[0].item()), bool(value[1].item())

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ckptmgr.preemption import PreemptionConfig
-from ckptmgr.retention import RetentionPolicy
+from ckptmgr.retention import parse_policy
+from ckptmgr.save_policy import parse_save_policy
 
 
 class CheckpointConfig(BaseModel):
@@ -24,8 +24,11 @@ class CheckpointConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_default=True)
 
     path: str = Field(min_length=1, description="Local path or fsspec URL of the checkpoint root.")
-    save_interval: int = Field(
-        strict=True, gt=0, description="Save when step % save_interval == 0."
+    save_interval: int | None = Field(
+        default=None,
+        strict=True,
+        gt=0,
+        description="Save when step % save_interval == 0 (None: only save_policy decides).",
     )
     max_to_keep: int = Field(
         default=0, strict=True, ge=0, description="0 keeps every step; N keeps the N newest."
@@ -40,8 +43,18 @@ class CheckpointConfig(BaseModel):
     chkpt_on_preemption: bool = Field(
         default=True, strict=True, description="Save at the first step after a preemption notice."
     )
-    retention: Any = Field(
-        default=None, exclude=True, description="A RetentionPolicy or a list of them (any keeps)."
+    retention: list[Any] = Field(
+        default_factory=list,
+        description="Retention policies (objects or {type: ...} mappings); a step is kept if any "
+        "keeps it.",
+    )
+    retention_dry_run: bool = Field(
+        default=False, strict=True, description="Log what retention would delete; delete nothing."
+    )
+    save_policy: list[Any] = Field(
+        default_factory=list,
+        description="Save policies (objects or {type: ...} mappings); a step is saved if any "
+        "wants it, in addition to save_interval.",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the fsspec file system."
@@ -73,17 +86,21 @@ class CheckpointConfig(BaseModel):
     def _default_preemption(cls, value: Any) -> Any:
         return PreemptionConfig() if value is None else value
 
-    @field_validator("retention")
+    @field_validator("retention", mode="before")
     @classmethod
     def _retention_policies(cls, value: Any) -> Any:
-        policies = value if isinstance(value, Sequence) and not isinstance(value, str) else [value]
-        for policy in policies:
-            if policy is not None and not isinstance(policy, RetentionPolicy):
-                raise ValueError(
-                    f"retention must be a RetentionPolicy (an object with keep(checkpoints)) or "
-                    f"a list of them, got {type(policy).__qualname__}"
-                )
-        return value
+        return [parse_policy(policy) for policy in _as_list(value)]
+
+    @field_validator("save_policy", mode="before")
+    @classmethod
+    def _save_policies(cls, value: Any) -> Any:
+        return [parse_save_policy(policy) for policy in _as_list(value)]
+
+    @model_validator(mode="after")
+    def _something_decides_saves(self) -> CheckpointConfig:
+        if self.save_interval is None and not self.save_policy:
+            raise ValueError("give save_interval (steps) or save_policy; neither was given")
+        return self
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> CheckpointConfig:
@@ -101,3 +118,11 @@ class CheckpointConfig(BaseModel):
         if not isinstance(data, dict):
             raise ValueError(f"config file {file} must hold a mapping of settings")
         return cls.model_validate(data)
+
+
+def _as_list(value: Any) -> list[Any]:
+    """None -> [], one item -> [item], a list or tuple -> its items (None items dropped)."""
+    if value is None:
+        return []
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    return [item for item in items if item is not None]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import operator
 import os
 import threading
+import time
 import uuid
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptmgr import dcp_io, retention
+from ckptmgr import dcp_io, pruning, retention
 from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter
 from ckptmgr.collectives import Collectives
@@ -27,6 +27,7 @@ from ckptmgr.errors import CheckpointError, StepNotFoundError
 from ckptmgr.optimizer import prime_optimizer
 from ckptmgr.preemption import PreemptionConfig, SignalWatcher
 from ckptmgr.record import CommitRecord, TensorEntry, utc_now
+from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
 from ckptmgr.staging import StagingPool
 from ckptmgr.state import flatten, optimizer_paths_needing_prime, plan_restore
 from ckptmgr.storage import CheckpointStorage, objects_file_name
@@ -52,6 +53,7 @@ class _SaveOutcome:
     committed: bool
     error: str | None
     deleted: list[int]
+    listed: list[int] | None = None  # committed steps in storage after the commit, if listed
 
 
 class CheckpointManager:
@@ -59,12 +61,13 @@ class CheckpointManager:
 
     Call-compatible with PyTorch/XLA's experimental ``CheckpointManager``: the first seven
     arguments are the same. See :class:`~ckptmgr.CheckpointConfig` for every setting.
+    ``save_interval`` may be None when ``save_policy`` decides when to save.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        save_interval: int,
+        save_interval: int | None = None,
         max_to_keep: int = 0,
         max_pending_async: int = 1,
         num_of_threads: int = 1,
@@ -72,6 +75,8 @@ class CheckpointManager:
         chkpt_on_preemption: bool = True,
         *,
         retention: retention.RetentionPolicy | list[retention.RetentionPolicy] | None = None,
+        retention_dry_run: bool = False,
+        save_policy: SavePolicy | list[SavePolicy] | None = None,
         storage_options: dict[str, Any] | None = None,
         preemption: PreemptionConfig | None = None,
         leftover_grace_s: float = 600.0,
@@ -86,6 +91,8 @@ class CheckpointManager:
             process_group=process_group,
             chkpt_on_preemption=chkpt_on_preemption,
             retention=retention,
+            retention_dry_run=retention_dry_run,
+            save_policy=save_policy,
             storage_options=storage_options,
             preemption=preemption,
             leftover_grace_s=leftover_grace_s,
@@ -112,6 +119,11 @@ class CheckpointManager:
         self._storage = CheckpointStorage(config.path, config.storage_options)
         self._comm = Collectives(config.process_group, config.collective_timeout_s)
         self._policy = _build_policy(config)
+        self._records = pruning.RecordReader(self._storage)
+        self._schedule = schedule_from(config.save_interval, config.save_policy, time.monotonic())
+        self._schedule_needs_agreement = not all(
+            is_rank_independent(policy) for policy in self._schedule.policies
+        )
         self._writer = BackgroundWriter()
         self._staging = StagingPool(config.max_pending_async)
         self._lock = threading.Lock()
@@ -131,15 +143,19 @@ class CheckpointManager:
 
     # -- deciding --------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """True iff ``step`` is a multiple of ``save_interval`` or a preemption notice is
-        pending, and ``step`` is not already committed (or being written)."""
+        """True iff ``save_interval`` or a save policy wants ``step``, or a preemption notice is
+        pending, and ``step`` is not already committed (or being written).
+
+        Every rank gets the same answer: save policies are evaluated on rank 0 and preemption
+        notices of any rank count (one small all_reduce when distributed).
+        """
         self._check_open()
         step = _checked_step(step)
         return self._decide(step, force=False, warn=False)[0]
 
     def _decide(self, step: int, *, force: bool, warn: bool) -> tuple[bool, bool]:
         """(save now?, is it the preemption save?) for ``step``."""
-        preempt = self._preemption_requested()
+        preempt, scheduled = self._agreed_notice_and_schedule(step)
         with self._lock:  # the writer commits and settles claims under the same lock
             committed = step in self._committed
             taken = committed or step in self._in_flight
@@ -149,23 +165,25 @@ class CheckpointManager:
             elif preempt and taken:  # answered once the write in flight for this step commits
                 self._preemption_claimed = step
         if taken:
-            if warn and (force or step % self.config.save_interval == 0):
+            if warn and (force or scheduled):
                 log.warning(
                     "step %d is already committed or being saved; not saving it again", step
                 )
             return False, False
-        wanted = force or preempt or step % self.config.save_interval == 0
-        return wanted, preempt
+        return force or preempt or scheduled, preempt
 
-    def _preemption_requested(self) -> bool:
-        if self._signals is None:
-            return False
-        local = (
-            self._signals.notified
+    def _agreed_notice_and_schedule(self, step: int) -> tuple[bool, bool]:
+        """(a preemption notice on any rank, rank 0's save policies want ``step``)."""
+        notice = (
+            self._signals is not None
+            and self._signals.notified
             and self._preemption_claimed is None
             and self._preemption_reached is None
         )
-        return self._comm.any_rank(local)
+        scheduled = self._schedule.wants(step, time.monotonic())
+        if self._signals is None and not self._schedule_needs_agreement:
+            return False, scheduled  # every rank computes the same answer: no collective
+        return self._comm.agree(notice, scheduled)
 
     def _clear_preemption_notice(self) -> None:
         if self._signals is not None:
@@ -258,6 +276,7 @@ class CheckpointManager:
         if not wanted:
             return None
         flat = flatten(state_dict, self._comm.rank)
+        self._schedule.started(step, time.monotonic())
         with self._lock:
             self._in_flight.add(step)
             if preempt:
@@ -324,6 +343,8 @@ class CheckpointManager:
             raise error from (local_error or commit_error)
 
         with self._lock:
+            if outcome.listed is not None:  # storage's view, so other writers' changes show
+                self._committed = set(outcome.listed)
             self._committed.add(step)
             self._committed.difference_update(outcome.deleted)
             if self._preemption_claimed == step:
@@ -333,7 +354,7 @@ class CheckpointManager:
         log.info("committed step %d", step)
         if comm.is_coordinator and outcome.deleted:
             try:
-                self._delete_steps(outcome.deleted)
+                pruning.delete_steps(self._storage, outcome.deleted)
             except CheckpointError as exc:  # step is committed: report at join/next save/close
                 log.error("%s", exc, exc_info=exc.__cause__)
                 self._writer.record_error(exc)
@@ -371,38 +392,33 @@ class CheckpointManager:
             outcome = _SaveOutcome(committed=False, error=f"commit failed: {exc!r}", deleted=[])
             return outcome, exc
         try:
-            deleted = self._steps_to_prune(request.step)
+            listed, deleted = self._plan_retention(request.step)
         except Exception as exc:  # the step is committed; pruning waits for the next save
             log.error("retention after step %d failed; nothing deleted", request.step, exc_info=exc)
-            deleted = []
-        return _SaveOutcome(committed=True, error=None, deleted=deleted), None
+            listed, deleted = None, []
+        return _SaveOutcome(committed=True, error=None, deleted=deleted, listed=listed), None
 
-    def _steps_to_prune(self, just_committed: int) -> list[int]:
-        if self._policy is None:
-            return []
+    def _plan_retention(self, just_committed: int) -> tuple[list[int], list[int]]:
+        """(committed steps in storage, steps retention deletes) after a commit, on rank 0."""
         with self._lock:
-            committed = sorted(self._committed | {just_committed})
-            protected = {just_committed} | self._in_flight
-        infos = []
-        for step in committed:
-            record = self._storage.read_record(step)
-            infos.append(retention.CheckpointInfo(step, record.committed_at, dict(record.metrics)))
-        return retention.steps_to_delete(self._policy, infos, protected)
+            being_written = self._in_flight | {just_committed}
+        plan = pruning.plan(self._policy, self._records, being_written)
+        dry_run = self.config.retention_dry_run
+        pruning.log_plan(plan, dry_run=dry_run)
+        return plan.listed, [] if dry_run else plan.doomed
 
-    def _delete_steps(self, steps: list[int]) -> None:
-        failures = []
-        for step in steps:
-            try:
-                self._storage.delete_step(step)
-                log.info("deleted step %d (retention)", step)
-            except Exception as exc:
-                failures.append((step, exc))
-        if failures:
-            _, exc = failures[0]
-            raise CheckpointError(
-                f"retention could not delete step(s) {[s for s, _ in failures]}; they are no "
-                "longer listed by this manager and a later manager removes or lists them again"
-            ) from exc
+    def explain_retention(self) -> list[retention.RetentionDecision]:
+        """What retention would decide now for every committed step, and why.
+
+        Returns one ``RetentionDecision(step, kept, reasons)`` per committed step in storage,
+        sorted by step. Reads storage (the listing and the commit records) on the calling rank;
+        deletes nothing.
+        """
+        self._check_open()
+        with self._lock:
+            being_written = set(self._in_flight)
+        reader = pruning.RecordReader(self._storage)
+        return pruning.plan(self._policy, reader, being_written).decisions
 
     # -- waiting and closing ---------------------------------------------------------------------
     def join(self) -> None:
@@ -507,16 +523,11 @@ class CheckpointManager:
 
 
 def _build_policy(config: CheckpointConfig) -> retention.RetentionPolicy | None:
-    policies: list[retention.RetentionPolicy] = []
-    if isinstance(config.retention, (list, tuple)):
-        policies.extend(p for p in config.retention if p is not None)
-    elif config.retention is not None:
-        policies.append(config.retention)
+    """The configured policies plus ``KeepLatest(max_to_keep)``; None keeps everything."""
+    policies = list(config.retention)
     if config.max_to_keep > 0:
         policies.append(retention.KeepLatest(config.max_to_keep))
-    if not policies:
-        return None
-    return policies[0] if len(policies) == 1 else retention.AnyOf(policies)
+    return retention.combine(policies)
 
 
 def _checked_step(step: Any) -> int:
@@ -548,8 +559,6 @@ def _checked_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
             or not isinstance(value, (int, float))
         ):
             raise ValueError(f"metrics must map str -> number; bad entry {name!r}: {value!r}")
-        if not math.isfinite(float(value)):
-            raise ValueError(f"metric {name!r} must be finite, got {value!r}")
         checked[name] = float(value)
     return checked
 

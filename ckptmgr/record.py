@@ -35,7 +35,7 @@ class CommitRecord(BaseModel):
     The record is written last; a step directory without it is not a checkpoint.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
 
     format_version: int = FORMAT_VERSION
     step: int = Field(ge=0)

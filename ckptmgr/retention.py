@@ -1,15 +1,29 @@
 """Retention policies: which committed steps to keep.
 
-A policy is one small object with one method, ``keep(checkpoints) -> set of steps``. Policies
-compose with ``|``: a step is kept if any policy keeps it.
+A policy is one small object with one decision method, ``keep(checkpoints) -> set of steps``,
+over the committed checkpoints as read from their commit records. Policies compose with ``|``
+(or a list given to the manager): a step is kept if any policy keeps it. Whatever the policies
+say, the manager never deletes the step committed most recently (by commit time) nor a step that
+is still being written; :func:`plan_retention` applies those protections and explains every
+decision.
+
+The built-in policies are pydantic dataclasses with a ``type`` tag, so a configuration file can
+name them (``{"type": "keep_latest", "n": 3}``); see :data:`RetentionPolicySpec`.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Annotated, Any, Literal, NamedTuple, Protocol, runtime_checkable
+
+from pydantic import Field, TypeAdapter
+from pydantic.dataclasses import dataclass as policy_dataclass
+
+PositiveInt = Annotated[int, Field(strict=True, gt=0)]
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 @dataclass(frozen=True)
@@ -23,7 +37,13 @@ class CheckpointInfo:
 
 @runtime_checkable
 class RetentionPolicy(Protocol):
-    """Decides which of the committed checkpoints to keep."""
+    """Decides which of the committed checkpoints to keep.
+
+    ``keep`` gets every committed checkpoint (in no particular order) and returns the steps it
+    wants kept; steps that no policy keeps are deleted. A policy may also define
+    ``note(checkpoint) -> str | None`` to say why it did not keep a step (shown by
+    :meth:`CheckpointManager.explain_retention`).
+    """
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         """Return the steps this policy wants kept."""
@@ -31,32 +51,137 @@ class RetentionPolicy(Protocol):
 
 
 class _Composable:
+    """``policy | policy`` builds an :class:`AnyOf`."""
+
     def __or__(self, other: RetentionPolicy) -> AnyOf:
         return AnyOf([self, other])  # type: ignore[list-item]
 
 
-@dataclass(frozen=True)
+@policy_dataclass(frozen=True)
 class KeepLatest(_Composable):
     """Keep the ``n`` highest-numbered steps."""
 
-    n: int
-
-    def __post_init__(self) -> None:
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"KeepLatest n must be a positive int, got {self.n!r}")
+    n: PositiveInt
+    type: Literal["keep_latest"] = field(default="keep_latest", repr=False)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         """The ``n`` highest steps."""
         return set(sorted(c.step for c in checkpoints)[-self.n :])
 
+    def __str__(self) -> str:
+        return f"KeepLatest({self.n}): one of the {self.n} highest steps"
 
-@dataclass(frozen=True)
+
+@policy_dataclass(frozen=True)
+class KeepEveryNSteps(_Composable):
+    """Keep every step that is a multiple of ``n`` (a sparse permanent history)."""
+
+    n: PositiveInt
+    type: Literal["keep_every_n_steps"] = field(default="keep_every_n_steps", repr=False)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        """Steps divisible by ``n``."""
+        return {c.step for c in checkpoints if c.step % self.n == 0}
+
+    def __str__(self) -> str:
+        return f"KeepEveryNSteps({self.n}): a multiple of {self.n}"
+
+
+@policy_dataclass(frozen=True)
+class KeepEveryNSeconds(_Composable):
+    """Thin by commit time: keep the first step committed in each window of ``seconds``.
+
+    Windows start at the commit time of the earliest committed checkpoint, which this policy
+    therefore always keeps, so the windows do not move as other steps are deleted.
+    """
+
+    seconds: PositiveSeconds
+    type: Literal["keep_every_n_seconds"] = field(default="keep_every_n_seconds", repr=False)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        """The earliest-committed step of each window (ties: the lower step)."""
+        if not checkpoints:
+            return set()
+        ordered = sorted(checkpoints, key=lambda c: (c.committed_at, c.step))
+        start = ordered[0].committed_at
+        first_in_window: dict[int, int] = {}
+        for checkpoint in ordered:
+            window = math.floor((checkpoint.committed_at - start).total_seconds() / self.seconds)
+            first_in_window.setdefault(window, checkpoint.step)
+        return set(first_in_window.values())
+
+    def __str__(self) -> str:
+        return f"KeepEveryNSeconds({self.seconds:g}): first commit in its {self.seconds:g} s window"
+
+
+@policy_dataclass(frozen=True)
+class KeepBest(_Composable):
+    """Keep the ``n`` best steps by ``metrics[metric]`` (lowest for ``mode="min"``).
+
+    Steps without that metric, or with NaN, are not kept by this policy. Ties are broken in
+    favour of the higher (newer) step.
+    """
+
+    n: PositiveInt
+    metric: Annotated[str, Field(min_length=1)]
+    mode: Literal["min", "max"] = "min"
+    type: Literal["keep_best"] = field(default="keep_best", repr=False)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        """The ``n`` steps with the best metric values."""
+        sign = 1.0 if self.mode == "min" else -1.0
+        scored = [
+            (sign * value, -c.step)
+            for c in checkpoints
+            if (value := _metric(c, self.metric)) is not None
+        ]
+        return {-negated_step for _, negated_step in sorted(scored)[: self.n]}
+
+    def note(self, checkpoint: CheckpointInfo) -> str | None:
+        """Why a step cannot be ranked, if it cannot."""
+        if self.metric not in checkpoint.metrics:
+            return f"{self.label}: has no metric {self.metric!r}"
+        if _metric(checkpoint, self.metric) is None:
+            return f"{self.label}: metric {self.metric!r} is NaN"
+        return None
+
+    @property
+    def label(self) -> str:
+        """Short name used in explanations."""
+        return f"KeepBest({self.n}, {self.metric!r}, {self.mode})"
+
+    def __str__(self) -> str:
+        best = "lowest" if self.mode == "min" else "highest"
+        return f"{self.label}: one of the {self.n} {best} {self.metric!r}"
+
+
+@policy_dataclass(frozen=True)
+class KeepSteps(_Composable):
+    """Keep an explicit set of steps."""
+
+    steps: frozenset[Annotated[int, Field(strict=True, ge=0)]]
+    type: Literal["keep_steps"] = field(default="keep_steps", repr=False)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        """The listed steps that exist."""
+        return {c.step for c in checkpoints if c.step in self.steps}
+
+    def __str__(self) -> str:
+        return "KeepSteps: listed explicitly"
+
+
+@policy_dataclass(frozen=True)
 class KeepAll(_Composable):
     """Keep every step."""
+
+    type: Literal["keep_all"] = field(default="keep_all", repr=False)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         """Every step."""
         return {c.step for c in checkpoints}
+
+    def __str__(self) -> str:
+        return "KeepAll"
 
 
 @dataclass(frozen=True)
@@ -76,13 +201,94 @@ class AnyOf(_Composable):
         return AnyOf([*self.policies, other])
 
 
-def steps_to_delete(
+RetentionPolicySpec = Annotated[
+    KeepLatest | KeepEveryNSteps | KeepEveryNSeconds | KeepBest | KeepSteps | KeepAll,
+    Field(discriminator="type"),
+]
+"""A built-in retention policy, as an object or as a mapping tagged with ``type``."""
+
+_SPEC_ADAPTER: TypeAdapter[Any] = TypeAdapter(RetentionPolicySpec)
+
+
+def parse_policy(value: Any) -> RetentionPolicy:
+    """A policy object as given, or a built-in one from ``{"type": ..., **fields}``."""
+    if isinstance(value, Mapping):
+        return _SPEC_ADAPTER.validate_python(dict(value))
+    if isinstance(value, RetentionPolicy):
+        return value
+    raise ValueError(
+        f"a retention policy must be an object with keep(checkpoints) or a mapping with a "
+        f"'type' key, got {type(value).__qualname__}"
+    )
+
+
+def combine(policies: Iterable[RetentionPolicy]) -> RetentionPolicy | None:
+    """One policy keeping what any of ``policies`` keeps; None for no policy (keep all)."""
+    flat: list[RetentionPolicy] = []
+    for policy in policies:
+        flat.extend(policy.policies if isinstance(policy, AnyOf) else [policy])
+    if not flat:
+        return None
+    return flat[0] if len(flat) == 1 else AnyOf(flat)
+
+
+class RetentionDecision(NamedTuple):
+    """One step's fate under the retention policies, with the reasons for it."""
+
+    step: int
+    kept: bool
+    reasons: list[str]
+
+
+def plan_retention(
     policy: RetentionPolicy | None,
     checkpoints: Sequence[CheckpointInfo],
-    protected: set[int],
-) -> list[int]:
-    """Steps that no policy keeps and that are not protected; nothing when there is no policy."""
-    if policy is None or not checkpoints:
-        return []
-    kept = policy.keep(checkpoints) | protected
-    return sorted(c.step for c in checkpoints if c.step not in kept)
+    being_written: Iterable[int] = (),
+) -> list[RetentionDecision]:
+    """Decide and explain, for every checkpoint, whether it is kept (sorted by step).
+
+    With no policy everything is kept. Otherwise a step is kept if any policy keeps it, if it is
+    the most recently committed step (by commit time), or if it is still being written.
+    """
+    in_flight = set(being_written)
+    newest = max(checkpoints, key=lambda c: (c.committed_at, c.step)).step if checkpoints else None
+    parts = list(policy.policies) if isinstance(policy, AnyOf) else [policy] if policy else []
+    kept_by = [(part, part.keep(checkpoints)) for part in parts]
+    decisions = []
+    for checkpoint in sorted(checkpoints, key=lambda c: c.step):
+        step = checkpoint.step
+        reasons = [_describe(part) for part, kept in kept_by if step in kept]
+        if policy is None:
+            reasons.append("no retention policy: every step is kept")
+        if step == newest:
+            reasons.append("protected: the most recently committed step")
+        if step in in_flight:
+            reasons.append("protected: still being written")
+        kept = bool(reasons)
+        if not kept:
+            reasons = ["no policy keeps it"]
+            for part in parts:
+                note = getattr(part, "note", None)
+                text = note(checkpoint) if callable(note) else None
+                if text:
+                    reasons.append(text)
+        decisions.append(RetentionDecision(step, kept, reasons))
+    return decisions
+
+
+def steps_to_delete(decisions: Iterable[RetentionDecision]) -> list[int]:
+    """The steps a plan does not keep, sorted."""
+    return sorted(d.step for d in decisions if not d.kept)
+
+
+def _describe(policy: RetentionPolicy) -> str:
+    text = str(policy)
+    return text if not text.startswith("<") else type(policy).__qualname__
+
+
+def _metric(checkpoint: CheckpointInfo, name: str) -> float | None:
+    value = checkpoint.metrics.get(name)
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value

@@ -8,6 +8,9 @@ with the repository root on ``PYTHONPATH``. Scenarios:
   kept steps into fresh objects.
 * ``resume <ckpt_dir> <flaky_dir>``: a new job on ``ckpt_dir`` lists and restores the same steps;
   then a manager on a file system (``FlakyLocalFileSystem``) whose writes fail on rank 1 only.
+* ``policies <ckpt_dir>``: save and retention policies on a directory that already holds steps
+  of an earlier run: a save policy that answers differently on each rank (rank 0's answer must
+  win everywhere), ``KeepBest`` over metrics from the earlier run's records, ``max_to_keep``.
 * ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
   single-process manager lists the steps the 2-rank jobs wrote and restores the replicated state.
 
@@ -356,6 +359,55 @@ def scenario_resume(rank: int, ckpt_dir: str, flaky_dir: str) -> dict[str, Any]:
     return record
 
 
+# Steps the earlier (single-process) run wrote before the ``policies`` job, with their loss.
+EARLIER_RUN_LOSS: dict[int, float] = {2: 0.5, 3: 0.1}
+POLICY_STEPS = range(4, 10)
+POLICY_SAVES = [4, 6, 8]  # rank 0's policy: even steps
+# all_steps() after each save: the best loss (step 3, from the earlier run) and the newest.
+POLICY_KEPT_AFTER: dict[int, list[int]] = {4: [3, 4], 6: [3, 6], 8: [3, 8]}
+
+
+class RankDependentPolicy:
+    """A save policy whose answer differs between ranks (as a clock-based one may)."""
+
+    def should_save(self, context: Any) -> bool:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            return context.step % 2 == 0
+        return context.step % 3 == 0
+
+
+def scenario_policies(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from ckptmgr import CheckpointManager, KeepBest
+
+    manager = CheckpointManager(
+        ckpt_dir,
+        save_interval=None,
+        max_to_keep=1,
+        retention=KeepBest(1, "loss"),
+        save_policy=RankDependentPolicy(),
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+    )
+    record: dict[str, Any] = {"initial_steps": manager.all_steps(), "steps": []}
+    state = make_state(0, rank)
+    for step in POLICY_STEPS:
+        entry: dict[str, Any] = {"step": step, "should_save": manager.should_save(step)}
+        entry["saved"], entry["error"] = _call(
+            lambda step=step: manager.save_async(step, state, metrics={"loss": 1.0 + step})
+        )
+        _, entry["join_error"] = _call(manager.join)
+        entry["all_steps_by_rank"] = _gather(manager.all_steps())
+        dist.barrier()
+        entry["disk"] = _disk_steps(ckpt_dir)
+        record["steps"].append(entry)
+    record["explained"] = [[d.step, d.kept, d.reasons] for d in manager.explain_retention()]
+    record["close_error"] = _call(manager.close)[1]
+    return record
+
+
 def scenario_single(ckpt_dir: str) -> dict[str, Any]:
     """A plain single process (no torch.distributed) on the directory the 2-rank jobs wrote."""
     import torch.distributed as dist
@@ -407,6 +459,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_train(rank, *paths))
         elif scenario == "resume":
             record.update(scenario_resume(rank, *paths))
+        elif scenario == "policies":
+            record.update(scenario_policies(rank, *paths))
         elif scenario == "single":
             record.update(scenario_single(*paths))
         else:

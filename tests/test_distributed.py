@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _dist_worker import KEPT_STEPS, MAX_TO_KEEP, SAVE_PLAN
+from _dist_worker import (
+    EARLIER_RUN_LOSS,
+    KEPT_STEPS,
+    MAX_TO_KEEP,
+    POLICY_KEPT_AFTER,
+    POLICY_SAVES,
+    POLICY_STEPS,
+    SAVE_PLAN,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "_dist_worker.py"
@@ -302,3 +310,42 @@ def test_saves_work_again_after_the_fault_is_gone(resume: Launch, dirs: dict[str
         assert fault["close_error"] is None, f"rank {rank}"
         assert fault["disk_final"] == _step_dirs([3]), f"rank {rank}"
     assert sorted(os.listdir(dirs["flaky"])) == _step_dirs([3])
+
+
+# -- 4. save and retention policies across ranks and runs ------------------------------------------
+@pytest.fixture(scope="module")
+def policies(dirs: dict[str, Path]) -> Launch:
+    import torch
+
+    from ckptmgr import CheckpointManager
+
+    directory = dirs["ckpt"].parent / "policies"
+    with CheckpointManager(directory, save_interval=1, chkpt_on_preemption=False) as earlier_run:
+        for step, loss in EARLIER_RUN_LOSS.items():
+            earlier_run.save(step, {"w": torch.ones(2)}, metrics={"loss": loss})
+    return _torchrun("policies", dirs["out"], directory)
+
+
+def test_rank0_save_policy_and_storage_based_retention_agree_on_every_rank(
+    policies: Launch,
+) -> None:
+    records = policies.checked_records(NPROC)
+    for rank, record in records.items():
+        assert record["initial_steps"] == sorted(EARLIER_RUN_LOSS), f"rank {rank}"
+        assert [entry["step"] for entry in record["steps"]] == list(POLICY_STEPS)
+        saved = [entry["step"] for entry in record["steps"] if entry["saved"]]
+        assert saved == POLICY_SAVES, f"rank {rank} saved {saved}: rank 0's policy must decide"
+        for entry in record["steps"]:
+            where = f"rank {rank}, step {entry['step']}"
+            assert entry["should_save"] is (entry["step"] in POLICY_SAVES), where
+            assert entry["error"] is None and entry["join_error"] is None, where
+            expected = POLICY_KEPT_AFTER.get(entry["step"])
+            if expected is not None:
+                assert entry["all_steps_by_rank"] == [expected] * NPROC, where
+                assert entry["disk"] == _step_dirs(expected), where
+        explained = {step: (kept, reasons) for step, kept, reasons in record["explained"]}
+        assert sorted(explained) == [3, 8]
+        assert explained[3][0] and any("KeepBest" in r for r in explained[3][1])
+        assert explained[8][0] and any("KeepLatest" in r for r in explained[8][1])
+        assert record["close_error"] is None
+    assert records[0]["steps"] == records[1]["steps"]

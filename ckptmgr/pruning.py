@@ -1,0 +1,115 @@
+"""Applying retention to what is in storage: list, read records, plan, delete.
+
+Used by the manager after each commit (on rank 0) and by ``ckptmgr prune``. Everything a policy
+sees comes from storage (the listing and the commit records), so retention is right after a
+restart and over steps written by other runs or processes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ckptmgr.errors import CheckpointError
+from ckptmgr.retention import (
+    CheckpointInfo,
+    RetentionDecision,
+    RetentionPolicy,
+    plan_retention,
+)
+from ckptmgr.storage import CheckpointStorage
+
+log = logging.getLogger("ckptmgr")
+
+
+@dataclass
+class RetentionPlan:
+    """The committed steps found in storage and the decision for each."""
+
+    listed: list[int]
+    decisions: list[RetentionDecision]
+
+    @property
+    def doomed(self) -> list[int]:
+        """The steps the plan deletes, sorted."""
+        return sorted(d.step for d in self.decisions if not d.kept)
+
+
+@dataclass
+class RecordReader:
+    """Reads the retention-relevant part of commit records, each committed record once.
+
+    A commit record never changes once written, so what was read for a step stays valid for as
+    long as that step is listed.
+    """
+
+    storage: CheckpointStorage
+    _cache: dict[int, CheckpointInfo] = field(default_factory=dict)
+
+    def infos(self, steps: Iterable[int]) -> tuple[list[CheckpointInfo], dict[int, str]]:
+        """The infos of ``steps``, and the steps whose record could not be read (with why)."""
+        wanted = set(steps)
+        for stale in set(self._cache) - wanted:
+            del self._cache[stale]
+        unreadable: dict[int, str] = {}
+        for step in sorted(wanted - set(self._cache)):
+            try:
+                record = self.storage.read_record(step)
+            except CheckpointError as exc:
+                unreadable[step] = str(exc)
+                continue
+            self._cache[step] = CheckpointInfo(step, record.committed_at, dict(record.metrics))
+        return [self._cache[s] for s in sorted(wanted) if s in self._cache], unreadable
+
+
+def plan(
+    policy: RetentionPolicy | None,
+    reader: RecordReader,
+    being_written: Iterable[int] = (),
+) -> RetentionPlan:
+    """List committed steps in storage and decide which ``policy`` keeps.
+
+    Steps whose commit record cannot be read are kept (and say so): retention never deletes
+    what it cannot judge.
+    """
+    listed = reader.storage.committed_steps()
+    infos, unreadable = reader.infos(listed)
+    decisions = plan_retention(policy, infos, being_written)
+    decisions += [
+        RetentionDecision(step, True, [f"protected: commit record unreadable ({why})"])
+        for step, why in unreadable.items()
+    ]
+    decisions.sort(key=lambda d: d.step)
+    return RetentionPlan(listed, decisions)
+
+
+def delete_steps(
+    storage: CheckpointStorage,
+    steps: Iterable[int],
+    on_deleted: Callable[[int], None] | None = None,
+) -> None:
+    """Delete ``steps``; tries every one, then raises ``CheckpointError`` naming the failures."""
+    failures: list[tuple[int, Exception]] = []
+    for step in steps:
+        try:
+            storage.delete_step(step)
+            log.info("deleted step %d (retention)", step)
+        except Exception as exc:
+            failures.append((step, exc))
+        if on_deleted is not None:
+            on_deleted(step)
+    if failures:
+        raise CheckpointError(
+            f"retention could not delete step(s) {[s for s, _ in failures]}; they stay in storage "
+            "and a later retention pass tries again"
+        ) from failures[0][1]
+
+
+def log_plan(plan_: RetentionPlan, *, dry_run: bool) -> None:
+    """Log what a plan deletes (or would delete, in a dry run), with the reasons."""
+    for decision in plan_.decisions:
+        if decision.kept:
+            continue
+        verb = "would delete" if dry_run else "deleting"
+        log.info("retention %s step %d: %s", verb, decision.step, "; ".join(decision.reasons))
