@@ -1,0 +1,243 @@
+"""Retention and save policies through a real CheckpointManager on a real directory.
+
+Retention is planned from storage (the listing and the commit records) after every commit, so it
+must be right after a restart, over steps of an earlier run, and with steps written by others.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptmgr import (
+    CheckpointConfig,
+    CheckpointManager,
+    KeepBest,
+    KeepEveryNSteps,
+    KeepLatest,
+    RetentionDecision,
+    SaveAtSteps,
+    SaveContext,
+    SaveEveryNSeconds,
+    SaveFirstStep,
+)
+
+
+def _state(value: float = 1.0) -> dict[str, object]:
+    return {"w": torch.full((4,), value), "note": "x"}
+
+
+def _manager(path: Path, **kwargs: object) -> CheckpointManager:
+    kwargs.setdefault("save_interval", 1)
+    return CheckpointManager(path, chkpt_on_preemption=False, **kwargs)  # type: ignore[arg-type]
+
+
+def _disk_steps(path: Path) -> list[int]:
+    return sorted(
+        int(p.name.removeprefix("step_"))
+        for p in path.iterdir()
+        if p.name.startswith("step_") and (p / "commit.json").exists()
+    )
+
+
+def test_a_step_is_kept_if_any_policy_keeps_it(ckpt_dir: Path) -> None:
+    with _manager(ckpt_dir, retention=KeepEveryNSteps(10) | KeepLatest(2)) as manager:
+        for step in range(1, 26):
+            assert manager.save(step, _state(step))
+        assert manager.all_steps() == [10, 20, 24, 25]
+    assert _disk_steps(ckpt_dir) == [10, 20, 24, 25]
+
+
+def test_max_to_keep_adds_keep_latest_to_a_list_of_policies(ckpt_dir: Path) -> None:
+    with _manager(ckpt_dir, max_to_keep=1, retention=[KeepEveryNSteps(5)]) as manager:
+        for step in range(1, 12):
+            manager.save_async(step, _state(step))
+        manager.join()
+        assert manager.all_steps() == [5, 10, 11]
+
+
+def test_without_policies_everything_is_kept(ckpt_dir: Path) -> None:
+    with _manager(ckpt_dir) as manager:
+        for step in range(5):
+            manager.save(step, _state())
+        assert manager.all_steps() == [0, 1, 2, 3, 4]
+        decisions = manager.explain_retention()
+    assert [d.step for d in decisions] == [0, 1, 2, 3, 4]
+    assert all(d.kept and "no retention policy" in d.reasons[0] for d in decisions)
+
+
+def test_retention_after_a_restart_covers_steps_of_the_earlier_run(ckpt_dir: Path) -> None:
+    with _manager(ckpt_dir) as earlier:
+        for step in (1, 2, 3, 4):
+            earlier.save(step, _state(), metrics={"val_loss": 5.0 - step if step != 2 else 0.1})
+    with _manager(ckpt_dir, max_to_keep=1, retention=KeepBest(1, "val_loss")) as later:
+        assert later.all_steps() == [1, 2, 3, 4]
+        later.save(5, _state(), metrics={"val_loss": 3.0})
+        # Step 2 has the best loss, read from the earlier run's record; step 5 is the latest.
+        assert later.all_steps() == [2, 5]
+    assert _disk_steps(ckpt_dir) == [2, 5]
+
+
+def test_the_most_recently_committed_step_survives_a_rewind(ckpt_dir: Path) -> None:
+    with _manager(ckpt_dir) as first:
+        for step in (100, 200, 300):
+            first.save(step, _state())
+    # The job rewinds to step 100 and saves 150: KeepLatest(1) keeps 300, but 150 is the
+    # newest by commit time and is protected.
+    with _manager(ckpt_dir, max_to_keep=1) as rewound:
+        rewound.save(150, _state())
+        assert rewound.all_steps() == [150, 300]
+        reasons = {d.step: d.reasons for d in rewound.explain_retention()}
+    assert any("most recently committed" in r for r in reasons[150])
+    assert any("KeepLatest" in r for r in reasons[300])
+
+
+def test_steps_deleted_by_another_process_leave_the_listing_at_the_next_commit(
+    ckpt_dir: Path,
+) -> None:
+    with _manager(ckpt_dir) as writer:
+        writer.save(1, _state())
+        writer.save(2, _state())
+        with _manager(ckpt_dir, max_to_keep=1) as other:
+            other.save(3, _state())  # deletes 1 and 2 behind the writer's back
+        assert writer.all_steps() == [1, 2]  # not re-read until the writer's next commit
+        writer.save(4, _state())
+        assert writer.all_steps() == [3, 4]
+
+
+def test_dry_run_deletes_nothing_and_logs_what_it_would_delete(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ckptmgr")
+    with _manager(ckpt_dir, max_to_keep=2, retention_dry_run=True) as manager:
+        for step in range(1, 5):
+            manager.save(step, _state())
+        assert manager.all_steps() == [1, 2, 3, 4]
+        decisions = manager.explain_retention()
+    assert _disk_steps(ckpt_dir) == [1, 2, 3, 4]
+    assert [(d.step, d.kept) for d in decisions] == [(1, False), (2, False), (3, True), (4, True)]
+    assert isinstance(decisions[0], RetentionDecision)
+    assert decisions[0].reasons == ["no policy keeps it"]
+    would = [r.getMessage() for r in caplog.records if "would delete" in r.getMessage()]
+    assert any("step 1" in m for m in would) and any("step 2" in m for m in would)
+    assert not any("deleted step" in r.getMessage() for r in caplog.records)
+
+
+def test_keep_best_keeps_the_best_and_explains_steps_without_the_metric(ckpt_dir: Path) -> None:
+    with _manager(ckpt_dir, retention=KeepBest(1, "acc", mode="max")) as manager:
+        manager.save(1, _state(), metrics={"acc": 0.9})
+        manager.save(2, _state())
+        manager.save(3, _state(), metrics={"acc": float("nan")})
+        manager.save(4, _state(), metrics={"acc": 0.5})
+        assert manager.all_steps() == [1, 4]
+        manager.save(5, _state(), metrics={"acc": 0.7})
+        assert manager.all_steps() == [1, 5]
+    dry = ckpt_dir / "dry"
+    with _manager(dry, retention=KeepBest(1, "acc"), retention_dry_run=True) as manager:
+        manager.save(1, _state(), metrics={"acc": 0.9})
+        manager.save(2, _state())
+        manager.save(3, _state(), metrics={"acc": float("nan")})
+        manager.save(4, _state(), metrics={"acc": 0.95})
+        explained = {d.step: d for d in manager.explain_retention()}
+    assert explained[1].kept and "KeepBest" in explained[1].reasons[0]
+    assert not explained[2].kept and any("has no metric 'acc'" in r for r in explained[2].reasons)
+    assert not explained[3].kept and any("NaN" in r for r in explained[3].reasons)
+    assert explained[4].kept and explained[4].reasons == [
+        "protected: the most recently committed step"
+    ]
+
+
+def test_nan_metrics_are_stored_and_read_back(ckpt_dir: Path) -> None:
+    with _manager(ckpt_dir) as manager:
+        manager.save(1, _state(), metrics={"loss": float("nan"), "gnorm": float("inf")})
+    record = json.loads((ckpt_dir / "step_000000000001" / "commit.json").read_text())
+    assert str(record["metrics"]["loss"]) == "nan" and record["metrics"]["gnorm"] == float("inf")
+
+
+def test_save_policies_decide_when_save_interval_is_none(ckpt_dir: Path) -> None:
+    policies = [SaveAtSteps([3, 7]), SaveFirstStep()]
+    with _manager(ckpt_dir, save_interval=None, save_policy=policies) as manager:
+        decided = {step: manager.should_save(step) for step in range(2, 9)}
+        assert [s for s, yes in decided.items() if yes] == [2, 3, 7]
+        saved = [step for step in range(2, 9) if manager.save(step, _state())]
+        assert saved == [2, 3, 7]
+
+
+def test_save_interval_and_save_policies_combine(ckpt_dir: Path) -> None:
+    with _manager(ckpt_dir, save_interval=5, save_policy=SaveAtSteps([7])) as manager:
+        assert [s for s in range(1, 12) if manager.should_save(s)] == [5, 7, 10]
+
+
+def test_save_every_n_seconds_counts_from_the_last_started_save(ckpt_dir: Path) -> None:
+    with _manager(ckpt_dir, save_interval=None, save_policy=SaveEveryNSeconds(3600)) as hourly:
+        assert not any(hourly.should_save(step) for step in range(5))
+        assert hourly.save(5, _state(), force=True)
+        assert not hourly.should_save(6)
+    with _manager(ckpt_dir / "often", save_interval=None, save_policy=SaveEveryNSeconds(1e-9)) as m:
+        assert all(m.should_save(step) for step in range(3))
+
+
+def test_a_custom_save_policy_sees_the_context(ckpt_dir: Path) -> None:
+    seen: list[SaveContext] = []
+
+    class Recorder:
+        def should_save(self, context: SaveContext) -> bool:
+            seen.append(context)
+            return context.step == 11
+
+    with _manager(ckpt_dir, save_interval=None, save_policy=Recorder()) as manager:
+        manager.should_save(10)
+        assert manager.save(11, _state())
+        manager.should_save(12)
+    assert [c.step for c in seen] == [10, 11, 12]
+    assert {c.first_step for c in seen} == {10}
+    assert [c.last_save_step for c in seen] == [None, None, 11]
+    assert all(c.seconds_since_last_save >= 0 for c in seen)
+
+
+def test_neither_save_interval_nor_save_policy_is_an_error(ckpt_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"save_interval.*save_policy"):
+        CheckpointManager(ckpt_dir)
+
+
+def test_policies_load_from_a_yaml_config(ckpt_dir: Path, tmp_path: Path) -> None:
+    config_file = tmp_path / "ckpt.yaml"
+    config_file.write_text(
+        f"path: {ckpt_dir}\n"
+        "save_interval: null\n"
+        "chkpt_on_preemption: false\n"
+        "save_policy:\n"
+        "  - {type: save_every_n_steps, n: 2}\n"
+        "retention:\n"
+        "  - {type: keep_latest, n: 1}\n"
+        "  - {type: keep_every_n_steps, n: 4}\n"
+    )
+    config = CheckpointConfig.from_file(config_file)
+    assert config.retention == [KeepLatest(1), KeepEveryNSteps(4)]
+    with CheckpointManager.from_config(config_file) as manager:
+        saved = [step for step in range(1, 11) if manager.save(step, _state())]
+        assert saved == [2, 4, 6, 8, 10]
+        assert manager.all_steps() == [4, 8, 10]
+    dumped = config.model_dump(mode="json")
+    assert dumped["retention"][0] == {"n": 1, "type": "keep_latest"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("retention", [{"type": "keep_newest", "n": 1}], "keep_newest"),
+        ("retention", [{"type": "keep_latest", "n": 0}], "greater than 0"),
+        ("retention", ["three"], "retention policy"),
+        ("save_policy", [{"type": "save_every_n_seconds", "seconds": -1}], "greater than 0"),
+        ("save_policy", [42], "save policy"),
+    ],
+)
+def test_bad_policies_in_a_config_are_rejected(
+    ckpt_dir: Path, field: str, value: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        CheckpointConfig.model_validate({"path": str(ckpt_dir), "save_interval": 1, field: value})
