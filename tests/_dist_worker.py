@@ -11,6 +11,9 @@ with the repository root on ``PYTHONPATH``. Scenarios:
 * ``policies <ckpt_dir>``: save and retention policies on a directory that already holds steps
   of an earlier run: a save policy that answers differently on each rank (rank 0's answer must
   win everywhere), ``KeepBest`` over metrics from the earlier run's records, ``max_to_keep``.
+* ``preempt <ckpt_dir>``: a training loop (one training all_reduce per step) in which rank 1
+  alone gets a real SIGTERM from the test, after it wrote ``<out_dir>/rank1.pid``; both ranks
+  must save the same step, once, and stop there.
 * ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
   single-process manager lists the steps the 2-rank jobs wrote and restores the replicated state.
 
@@ -408,6 +411,43 @@ def scenario_policies(rank: int, ckpt_dir: str) -> dict[str, Any]:
     return record
 
 
+PREEMPT_PID_AT_STEP = 3
+PREEMPT_DEADLINE_S = 60.0
+
+
+def scenario_preempt(rank: int, ckpt_dir: str, out_dir: str) -> dict[str, Any]:
+    import time
+
+    import torch.distributed as dist
+
+    from ckptmgr import CheckpointManager
+
+    manager = CheckpointManager(
+        ckpt_dir, save_interval=10**9, collective_timeout_s=COLLECTIVE_TIMEOUT_S
+    )
+    state = make_state(0, rank)
+    record: dict[str, Any] = {"saved_steps": [], "reached_step": None}
+    deadline = time.monotonic() + PREEMPT_DEADLINE_S
+    step = 0
+    while time.monotonic() < deadline:
+        step += 1
+        grad = torch.ones(1)
+        dist.all_reduce(grad)  # the training loop's own collective
+        if rank == 1 and step == PREEMPT_PID_AT_STEP:
+            pid_file = Path(out_dir) / "rank1.pid"
+            pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+            pid_file.with_suffix(".tmp").rename(pid_file)
+        if manager.save_async(step, state):
+            record["saved_steps"].append(step)
+        if manager.reached_preemption(step):
+            record["reached_step"] = step
+            break
+    record["last_step"] = step
+    record["all_steps"] = manager.all_steps()
+    record["close_error"] = _call(manager.close)[1]
+    return record
+
+
 def scenario_single(ckpt_dir: str) -> dict[str, Any]:
     """A plain single process (no torch.distributed) on the directory the 2-rank jobs wrote."""
     import torch.distributed as dist
@@ -461,6 +501,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_resume(rank, *paths))
         elif scenario == "policies":
             record.update(scenario_policies(rank, *paths))
+        elif scenario == "preempt":
+            record.update(scenario_preempt(rank, *paths, out_dir))
         elif scenario == "single":
             record.update(scenario_single(*paths))
         else:

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,9 +90,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _run_bounded(name: str, command: list[str], out_dir: Path, timeout: float) -> Launch:
+def _run_bounded(
+    name: str,
+    command: list[str],
+    out_dir: Path,
+    timeout: float,
+    while_running: Callable[[], None] | None = None,
+) -> Launch:
     """Run ``command`` in its own process group; on timeout kill the group (torchrun's workers
-    included) so that nothing outlives the test."""
+    included) so that nothing outlives the test. ``while_running`` is called once it started."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(REPO), str(WORKER.parent)]),
@@ -109,6 +116,8 @@ def _run_bounded(name: str, command: list[str], out_dir: Path, timeout: float) -
         start_new_session=True,
     )
     try:
+        if while_running is not None:
+            while_running()
         stdout, stderr = process.communicate(timeout=timeout)
         returncode: int | None = process.returncode
     except subprocess.TimeoutExpired:
@@ -123,7 +132,9 @@ def _run_bounded(name: str, command: list[str], out_dir: Path, timeout: float) -
     return launch
 
 
-def _torchrun(name: str, out_dir: Path, *paths: Path) -> Launch:
+def _torchrun(
+    name: str, out_dir: Path, *paths: Path, while_running: Callable[[], None] | None = None
+) -> Launch:
     """``torchrun --nproc-per-node 2 _dist_worker.py name out_dir paths...`` on a free port."""
     launch: Launch | None = None
     for _ in range(PORT_ATTEMPTS):  # the free port may be taken between probing and binding
@@ -148,7 +159,7 @@ def _torchrun(name: str, out_dir: Path, *paths: Path) -> Launch:
             str(out_dir),
             *map(str, paths),
         ]
-        launch = _run_bounded(name, command, out_dir, LAUNCH_TIMEOUT_S)
+        launch = _run_bounded(name, command, out_dir, LAUNCH_TIMEOUT_S, while_running)
         if launch.returncode == 0 or "address already in use" not in launch.stderr.lower():
             break
     assert launch is not None
@@ -349,3 +360,36 @@ def test_rank0_save_policy_and_storage_based_retention_agree_on_every_rank(
         assert explained[8][0] and any("KeepLatest" in r for r in explained[8][1])
         assert record["close_error"] is None
     assert records[0]["steps"] == records[1]["steps"]
+
+
+# -- 5. preemption noticed by one rank only --------------------------------------------------------
+def _sigterm_rank1_once_it_trains(out_dir: Path) -> Callable[[], None]:
+    def send() -> None:
+        pid_file = out_dir / "rank1.pid"
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S / 2
+        while not pid_file.exists():  # bounded poll of a file the worker writes atomically
+            assert time.monotonic() < deadline, "rank 1 never reported its pid"
+            time.sleep(0.02)
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+
+    return send
+
+
+def test_sigterm_to_one_rank_saves_one_agreed_step_on_all_ranks(dirs: dict[str, Path]) -> None:
+    out_dir = dirs["out"].parent / "preempt-out"
+    out_dir.mkdir()
+    ckpt = dirs["ckpt"].parent / "preempt"
+    launch = _torchrun(
+        "preempt", out_dir, ckpt, while_running=_sigterm_rank1_once_it_trains(out_dir)
+    )
+    records = launch.checked_records(NPROC)
+    reached = {rank: record["reached_step"] for rank, record in records.items()}
+    assert reached[0] is not None and reached[0] == reached[1], reached
+    for rank, record in records.items():
+        assert record["saved_steps"] == [reached[0]], f"rank {rank}: {record['saved_steps']}"
+        assert record["last_step"] == reached[0]
+        assert record["all_steps"] == [reached[0]]
+        assert record["close_error"] is None
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == _step_dirs(
+        [reached[0]]
+    )

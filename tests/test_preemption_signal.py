@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from ckptmgr import CheckpointManager
 REPO = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "_preempt_child.py"
 LINE_TIMEOUT_S = 120.0  # the first line includes importing torch in a fresh interpreter
-STEPS_BEFORE_SIGNAL = 3
+MAX_STEPS_BEFORE_SIGNAL = 20  # the child runs at most 50 steps
 
 
 class LineReader:
@@ -99,7 +100,8 @@ def test_sigterm_checkpoints_the_next_step_and_chains_to_the_previous_handler(
     assert "ready" in ready, ready
     assert ready["handler_installed"] == "True", "the manager did not install a SIGTERM handler"
 
-    for step in range(1, STEPS_BEFORE_SIGNAL + 1):
+    steps_before_signal = random.randint(1, MAX_STEPS_BEFORE_SIGNAL)
+    for step in range(1, steps_before_signal + 1):
         send(proc, "go")
         report = parse(lines.next_line())
         assert report == {
@@ -112,7 +114,7 @@ def test_sigterm_checkpoints_the_next_step_and_chains_to_the_previous_handler(
     # The child now waits on stdin for the next step; the signal arrives before that step.
     proc.send_signal(signal.SIGTERM)
     send(proc, "go")
-    preempted_step = STEPS_BEFORE_SIGNAL + 1
+    preempted_step = steps_before_signal + 1
     report = parse(lines.next_line())
     assert report == {
         "step": str(preempted_step),
