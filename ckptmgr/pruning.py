@@ -94,9 +94,10 @@ def delete_steps(
     for step in steps:
         try:
             storage.delete_step(step)
-            log.info("deleted step %d (retention)", step)
         except Exception as exc:
             failures.append((step, exc))
+            continue
+        log.info("deleted step %d (retention)", step)
         if on_deleted is not None:
             on_deleted(step)
     if failures:

@@ -19,11 +19,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from pydantic import Field, TypeAdapter
+from pydantic import ConfigDict, Field, TypeAdapter
 from pydantic.dataclasses import dataclass as policy_dataclass
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
-PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+PositiveSeconds = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
+POLICY_CONFIG = ConfigDict(extra="forbid")
+"""Built-in policies reject unknown fields, so that a misspelt key in a config file is an error."""
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,12 @@ class _Composable:
     """``policy | policy`` builds an :class:`AnyOf`."""
 
     def __or__(self, other: RetentionPolicy) -> AnyOf:
-        return AnyOf([self, other])  # type: ignore[list-item]
+        if not isinstance(other, RetentionPolicy):
+            return NotImplemented
+        return AnyOf([*_members(self), *_members(other)])  # type: ignore[arg-type]
 
 
-@policy_dataclass(frozen=True)
+@policy_dataclass(frozen=True, config=POLICY_CONFIG)
 class KeepLatest(_Composable):
     """Keep the ``n`` highest-numbered steps."""
 
@@ -72,7 +76,7 @@ class KeepLatest(_Composable):
         return f"KeepLatest({self.n}): one of the {self.n} highest steps"
 
 
-@policy_dataclass(frozen=True)
+@policy_dataclass(frozen=True, config=POLICY_CONFIG)
 class KeepEveryNSteps(_Composable):
     """Keep every step that is a multiple of ``n`` (a sparse permanent history)."""
 
@@ -87,7 +91,7 @@ class KeepEveryNSteps(_Composable):
         return f"KeepEveryNSteps({self.n}): a multiple of {self.n}"
 
 
-@policy_dataclass(frozen=True)
+@policy_dataclass(frozen=True, config=POLICY_CONFIG)
 class KeepEveryNSeconds(_Composable):
     """Thin by commit time: keep the first step committed in each window of ``seconds``.
 
@@ -104,9 +108,11 @@ class KeepEveryNSeconds(_Composable):
             return set()
         ordered = sorted(checkpoints, key=lambda c: (c.committed_at, c.step))
         start = ordered[0].committed_at
+        # Whole microseconds (the resolution of datetime), so boundaries are exact.
+        width_us = max(round(self.seconds * 1_000_000), 1)
         first_in_window: dict[int, int] = {}
         for checkpoint in ordered:
-            window = math.floor((checkpoint.committed_at - start).total_seconds() / self.seconds)
+            window = (checkpoint.committed_at - start) // _dt.timedelta(microseconds=1) // width_us
             first_in_window.setdefault(window, checkpoint.step)
         return set(first_in_window.values())
 
@@ -114,7 +120,7 @@ class KeepEveryNSeconds(_Composable):
         return f"KeepEveryNSeconds({self.seconds:g}): first commit in its {self.seconds:g} s window"
 
 
-@policy_dataclass(frozen=True)
+@policy_dataclass(frozen=True, config=POLICY_CONFIG)
 class KeepBest(_Composable):
     """Keep the ``n`` best steps by ``metrics[metric]`` (lowest for ``mode="min"``).
 
@@ -155,7 +161,7 @@ class KeepBest(_Composable):
         return f"{self.label}: one of the {self.n} {best} {self.metric!r}"
 
 
-@policy_dataclass(frozen=True)
+@policy_dataclass(frozen=True, config=POLICY_CONFIG)
 class KeepSteps(_Composable):
     """Keep an explicit set of steps."""
 
@@ -170,7 +176,7 @@ class KeepSteps(_Composable):
         return "KeepSteps: listed explicitly"
 
 
-@policy_dataclass(frozen=True)
+@policy_dataclass(frozen=True, config=POLICY_CONFIG)
 class KeepAll(_Composable):
     """Keep every step."""
 
@@ -198,7 +204,9 @@ class AnyOf(_Composable):
         return kept
 
     def __or__(self, other: RetentionPolicy) -> AnyOf:
-        return AnyOf([*self.policies, other])
+        if not isinstance(other, RetentionPolicy):
+            return NotImplemented
+        return AnyOf([*_members(self), *_members(other)])
 
 
 RetentionPolicySpec = Annotated[
@@ -224,9 +232,7 @@ def parse_policy(value: Any) -> RetentionPolicy:
 
 def combine(policies: Iterable[RetentionPolicy]) -> RetentionPolicy | None:
     """One policy keeping what any of ``policies`` keeps; None for no policy (keep all)."""
-    flat: list[RetentionPolicy] = []
-    for policy in policies:
-        flat.extend(policy.policies if isinstance(policy, AnyOf) else [policy])
+    flat = [member for policy in policies for member in _members(policy)]
     if not flat:
         return None
     return flat[0] if len(flat) == 1 else AnyOf(flat)
@@ -252,7 +258,7 @@ def plan_retention(
     """
     in_flight = set(being_written)
     newest = max(checkpoints, key=lambda c: (c.committed_at, c.step)).step if checkpoints else None
-    parts = list(policy.policies) if isinstance(policy, AnyOf) else [policy] if policy else []
+    parts = _members(policy) if policy is not None else []
     kept_by = [(part, part.keep(checkpoints)) for part in parts]
     decisions = []
     for checkpoint in sorted(checkpoints, key=lambda c: c.step):
@@ -279,6 +285,13 @@ def plan_retention(
 def steps_to_delete(decisions: Iterable[RetentionDecision]) -> list[int]:
     """The steps a plan does not keep, sorted."""
     return sorted(d.step for d in decisions if not d.kept)
+
+
+def _members(policy: RetentionPolicy) -> list[RetentionPolicy]:
+    """The policies an AnyOf (however nested) is made of; any other policy is its own member."""
+    if isinstance(policy, AnyOf):
+        return [member for part in policy.policies for member in _members(part)]
+    return [policy]
 
 
 def _describe(policy: RetentionPolicy) -> str:

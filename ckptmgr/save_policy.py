@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 from pydantic import Field, TypeAdapter
 from pydantic.dataclasses import dataclass as policy_dataclass
 
-from ckptmgr.retention import PositiveInt, PositiveSeconds
+from ckptmgr.retention import POLICY_CONFIG, PositiveInt, PositiveSeconds
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class SavePolicy(Protocol):
         ...
 
 
-@policy_dataclass(frozen=True)
+@policy_dataclass(frozen=True, config=POLICY_CONFIG)
 class SaveEveryNSteps:
     """Save at every step that is a multiple of ``n`` (what ``save_interval=n`` means)."""
 
@@ -66,7 +66,7 @@ class SaveEveryNSteps:
         return context.step % self.n == 0
 
 
-@policy_dataclass(frozen=True)
+@policy_dataclass(frozen=True, config=POLICY_CONFIG)
 class SaveEveryNSeconds:
     """Save when ``seconds`` of wall-clock time have passed since the last save started.
 
@@ -81,7 +81,7 @@ class SaveEveryNSeconds:
         return context.seconds_since_last_save >= self.seconds
 
 
-@policy_dataclass(frozen=True)
+@policy_dataclass(frozen=True, config=POLICY_CONFIG)
 class SaveAtSteps:
     """Save at the listed steps."""
 
@@ -93,7 +93,7 @@ class SaveAtSteps:
         return context.step in self.steps
 
 
-@policy_dataclass(frozen=True)
+@policy_dataclass(frozen=True, config=POLICY_CONFIG)
 class SaveFirstStep:
     """Save at the first step this manager decides on, so a broken setup fails early.
 
@@ -150,7 +150,9 @@ class SaveSchedule:
             self.first_step = step
         since = now - (self.last_save_at if self.last_save_at is not None else self.created_at)
         context = SaveContext(step, self.first_step, self.last_save_step, max(since, 0.0))
-        return any(policy.should_save(context) for policy in self.policies)
+        # Every policy is asked (no short-circuit): a stateful policy sees every step.
+        answers = [policy.should_save(context) for policy in self.policies]
+        return any(answers)
 
     def started(self, step: int, now: float) -> None:
         """Record that a save of ``step`` started at ``now``."""
