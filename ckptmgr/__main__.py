@@ -1,0 +1,10 @@
+"""``python -m ckptmgr``: the same command line as the ``ckptmgr`` console script."""
+
+from __future__ import annotations
+
+import sys
+
+from ckptmgr.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1115 @@
+"""The ``ckptmgr`` command line: list, inspect, prune, export and delete checkpoints.
+
+Every command reads the same storage layout the manager writes (see ``docs/format.md``), under a
+local path or any fsspec URL, and never runs code from the checkpoint: commit records and plain
+values are JSON, and DCP's ``.metadata`` is read with ckptmgr's restricted unpickler.
+
+Each command first builds a *report*, a plain JSON-compatible dict, and then prints it either as
+JSON (``--json``) or as tables, so the two outputs always agree. ``docs/cli.md`` documents the
+report of every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, TextIO
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ckptmgr import objects
+from ckptmgr._version import __version__
+from ckptmgr.dcp_io import TensorOnlyLoadPlanner, make_reader
+from ckptmgr.errors import CheckpointError, StepNotFoundError
+from ckptmgr.pruning import RecordReader, delete_steps, plan
+from ckptmgr.record import CommitRecord
+from ckptmgr.retention import (
+    KeepBest,
+    KeepEveryNSeconds,
+    KeepEveryNSteps,
+    KeepLatest,
+    KeepSteps,
+    RetentionPolicy,
+    combine,
+)
+from ckptmgr.storage import (
+    DELETING_PREFIX,
+    TMP_PREFIX,
+    CheckpointStorage,
+    Leftover,
+    objects_file_name,
+)
+
+PROG = "ckptmgr"
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+# Errors a user can cause (bad path, missing step, damaged checkpoint, unknown protocol, missing
+# fsspec backend): reported as their message on one line. Any other exception (a storage backend's
+# own error type, such as missing cloud credentials) is reported as one line with its type.
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
+    CheckpointError,
+    OSError,
+    ValueError,
+    ImportError,
+)
+RANK_PRIVATE_NAME = re.compile(r"^%rank(?P<rank>\d{5,})%/(?P<path>.+)$")
+ESCAPED_KEY_CHAR = re.compile(r"%2F|%25")
+LEFTOVER_KINDS = {
+    TMP_PREFIX: "interrupted_save",
+    DELETING_PREFIX: "interrupted_delete",
+}
+UNCOMMITTED_STEP_KIND = "uncommitted_step"
+LEFTOVER_KIND_TEXT = {
+    "interrupted_save": "interrupted save",
+    "interrupted_delete": "interrupted delete",
+    UNCOMMITTED_STEP_KIND: "step without commit.json",
+}
+
+Report = dict[str, Any]
+Subparsers = Any  # argparse's _SubParsersAction is private
+
+
+# -- argument parsing ------------------------------------------------------------------------
+
+
+def parse_storage_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` for fsspec: VALUE is parsed as JSON when it parses, else kept as a string."""
+    key, separator, raw_value = text.partition("=")
+    key = key.strip()
+    if not separator or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw_value)
+    except ValueError:
+        value = raw_value
+    return key, value
+
+
+def parse_step(text: str) -> int:
+    """A step number: a non-negative integer."""
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a step must be an integer, got {text!r}") from None
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"a step must be >= 0, got {step}")
+    return step
+
+
+def parse_step_list(text: str) -> list[int]:
+    """Comma-separated steps, such as ``1,2,3``."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated steps, got {text!r}")
+    return [parse_step(part) for part in parts]
+
+
+def parse_positive_int(text: str) -> int:
+    """An integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def parse_positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ckptmgr`` argument parser with its five commands."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="List, inspect, prune, export and delete ckptmgr checkpoints.",
+        epilog="PATH is a local directory or an fsspec URL (file://, memory://, gs://, s3://).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = _common_options()
+    _add_ls(commands, common)
+    _add_inspect(commands, common)
+    _add_prune(commands, common)
+    _add_export(commands, common)
+    _add_rm(commands, common)
+    return parser
+
+
+def _common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("path", metavar="PATH", help="checkpoint root: a directory or fsspec URL")
+    common.add_argument(
+        "-o",
+        "--storage-option",
+        metavar="KEY=VALUE",
+        type=parse_storage_option,
+        action="append",
+        default=[],
+        help="fsspec storage option (repeatable); VALUE is parsed as JSON if it parses",
+    )
+    common.add_argument("--json", action="store_true", help="print a JSON document for scripts")
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log progress at INFO level, and show tracebacks of errors",
+    )
+    return common
+
+
+def _add_ls(commands: Subparsers, common: argparse.ArgumentParser) -> None:
+    sub = commands.add_parser(
+        "ls", parents=[common], help="list committed steps", description="List committed steps."
+    )
+    sub.add_argument(
+        "--all",
+        action="store_true",
+        help="also list uncommitted leftovers of interrupted saves and deletes",
+    )
+    sub.set_defaults(handler=run_ls)
+
+
+def _add_inspect(commands: Subparsers, common: argparse.ArgumentParser) -> None:
+    sub = commands.add_parser(
+        "inspect",
+        parents=[common],
+        help="list the tensors of a step",
+        description="List the tensors of a step (default: the latest committed step).",
+    )
+    sub.add_argument("step", metavar="STEP", type=parse_step, nargs="?", help="default: latest")
+    sub.set_defaults(handler=run_inspect)
+
+
+def _add_prune(commands: Subparsers, common: argparse.ArgumentParser) -> None:
+    sub = commands.add_parser(
+        "prune",
+        parents=[common],
+        help="delete the steps no retention policy keeps",
+        description=(
+            "Apply retention: a step is kept if ANY of the given policies keeps it. The step "
+            "committed most recently is always kept. At least one policy is required."
+        ),
+    )
+    policies = sub.add_argument_group("retention policies (at least one)")
+    policies.add_argument(
+        "--keep-latest", metavar="N", type=parse_positive_int, help="the N highest steps"
+    )
+    policies.add_argument(
+        "--keep-every-n-steps", metavar="K", type=parse_positive_int, help="multiples of K"
+    )
+    policies.add_argument(
+        "--keep-every-n-seconds",
+        metavar="S",
+        type=parse_positive_seconds,
+        help="the first step committed in each window of S seconds",
+    )
+    policies.add_argument(
+        "--keep-best",
+        metavar="N",
+        type=parse_positive_int,
+        help="the N best steps by --metric",
+    )
+    policies.add_argument("--metric", metavar="M", help="the metric of --keep-best")
+    policies.add_argument(
+        "--mode", choices=["min", "max"], default="min", help="--keep-best: lowest or highest"
+    )
+    policies.add_argument(
+        "--keep-steps",
+        metavar="1,2,3",
+        type=parse_step_list,
+        action="append",
+        help="keep these steps (repeatable)",
+    )
+    sub.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
+    sub.set_defaults(handler=run_prune, subparser=sub)
+
+
+def _add_export(commands: Subparsers, common: argparse.ArgumentParser) -> None:
+    sub = commands.add_parser(
+        "export",
+        parents=[common],
+        help="write one step as a single torch.save file",
+        description=(
+            "Write one step as a single torch.save file: a nested dict of the state as the "
+            "given rank would restore it (torch.load(OUT, weights_only=True) reads it)."
+        ),
+    )
+    sub.add_argument("step", metavar="STEP", type=parse_step)
+    sub.add_argument("output", metavar="OUT.pt", type=Path, help="local file to write")
+    sub.add_argument(
+        "--rank",
+        type=int,
+        default=0,
+        help="whose per-rank tensors and plain values to export (default 0)",
+    )
+    sub.set_defaults(handler=run_export)
+
+
+def _add_rm(commands: Subparsers, common: argparse.ArgumentParser) -> None:
+    sub = commands.add_parser(
+        "rm",
+        parents=[common],
+        help="delete committed steps",
+        description="Delete committed steps. Nothing is deleted if any STEP is not committed.",
+    )
+    sub.add_argument("steps", metavar="STEP", type=parse_step, nargs="+")
+    sub.set_defaults(handler=run_rm)
+
+
+# -- entry point -----------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``ckptmgr`` command; returns the exit status (argparse exits 2 on usage errors)."""
+    args = build_parser().parse_args(argv)
+    with log_to_stderr(verbose=args.verbose):
+        return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command; expected errors become one line on stderr and exit status 1."""
+    try:
+        return int(args.handler(args))
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of stdout went away (``ckptmgr ls | head``): not worth a message.
+        _silence_stdout()
+        return EXIT_ERROR
+    except EXPECTED_ERRORS as error:
+        return report_error(error, verbose=args.verbose, name_type=False)
+    except Exception as error:  # a storage backend's own error (credentials, HTTP) or a bug
+        return report_error(error, verbose=args.verbose, name_type=True)
+
+
+def report_error(error: Exception, *, verbose: bool, name_type: bool) -> int:
+    """Print ``ckptmgr: error: ...`` on one line (after the traceback with ``--verbose``)."""
+    if verbose:
+        traceback.print_exc()
+    message = _one_line(error)
+    if name_type:
+        message = f"{type(error).__name__}: {message}"
+        if not verbose:
+            message += " (--verbose shows the traceback)"
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+class OneLineFormatter(logging.Formatter):
+    """``ckptmgr: warning: [<logger>: ]<message>`` on one line, without the traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record's message, whitespace collapsed, behind its level."""
+        message = " ".join(record.getMessage().split())
+        source = "" if record.name.split(".")[0] == PROG else f"{record.name}: "
+        return f"{PROG}: {record.levelname.lower()}: {source}{message}"
+
+
+@contextmanager
+def log_to_stderr(*, verbose: bool) -> Iterator[None]:
+    """Route log records (ours and fsspec backends') to stderr while a command runs.
+
+    Without ``--verbose`` only warnings and errors are shown, one line each, so that a backend
+    that logs a retried request with its traceback does not flood the terminal.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    if verbose:
+        handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    else:
+        handler.setFormatter(OneLineFormatter())
+    root = logging.getLogger()
+    previous_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(previous_level)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _silence_stdout() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+# -- storage ---------------------------------------------------------------------------------
+
+
+def open_storage(url: str, option_pairs: Sequence[tuple[str, Any]]) -> CheckpointStorage:
+    """The checkpoint root at ``url``; ``CheckpointError`` if it does not exist (none is made)."""
+    options = dict(option_pairs)
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    if not fs.exists(root):
+        raise CheckpointError(f"{url} does not exist")
+    if not fs.isdir(root):
+        raise CheckpointError(f"{url} is not a directory")
+    return CheckpointStorage(url, options)
+
+
+def read_committed_record(storage: CheckpointStorage, step: int) -> CommitRecord:
+    """The commit record of ``step``; ``StepNotFoundError`` if it is not committed."""
+    committed = storage.committed_steps()
+    if step not in committed:
+        raise StepNotFoundError(step, committed)
+    return storage.read_record(step)
+
+
+def latest_step(storage: CheckpointStorage) -> int:
+    """The highest committed step; ``CheckpointError`` if there is none."""
+    committed = storage.committed_steps()
+    if not committed:
+        raise CheckpointError(f"no committed steps under {storage.url}")
+    return committed[-1]
+
+
+# -- ls --------------------------------------------------------------------------------------
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    """``ckptmgr ls``: committed steps, and with ``--all`` the uncommitted leftovers."""
+    storage = open_storage(args.path, args.storage_option)
+    report = ls_report(storage, include_leftovers=args.all)
+    emit(report, args.json, render_ls)
+    return EXIT_OK
+
+
+def ls_report(storage: CheckpointStorage, *, include_leftovers: bool) -> Report:
+    """The JSON document of ``ckptmgr ls``."""
+    steps = [step_summary(storage, step) for step in storage.committed_steps()]
+    leftovers = (
+        [leftover_summary(storage, leftover) for leftover in storage.leftovers()]
+        if include_leftovers
+        else None
+    )
+    return {"root": storage.url, "steps": steps, "leftovers": leftovers}
+
+
+def step_summary(storage: CheckpointStorage, step: int) -> Report:
+    """One row of ``ls``: what the commit record says, or why it cannot be read."""
+    try:
+        record = storage.read_record(step)
+    except CheckpointError as error:
+        return {
+            "step": step,
+            "committed_at": None,
+            "size": None,
+            "world_size": None,
+            "metrics": {},
+            "metadata": {},
+            "error": _one_line(error),
+        }
+    return {
+        "step": step,
+        "committed_at": format_timestamp(record.committed_at),
+        "size": sum(entry.size for entry in record.files),
+        "world_size": record.world_size,
+        "metrics": dict(record.metrics),
+        "metadata": dict(record.metadata),
+        "error": None,
+    }
+
+
+def leftover_summary(storage: CheckpointStorage, leftover: Leftover) -> Report:
+    """One row of ``ls --all``'s leftovers."""
+    return {
+        "name": leftover.name,
+        "kind": leftover_kind(leftover.name),
+        "age_s": None if leftover.age_s is None else round(leftover.age_s, 3),
+        "size": tree_size(storage, leftover.path),
+    }
+
+
+def leftover_kind(name: str) -> str:
+    """``interrupted_save``, ``interrupted_delete`` or ``uncommitted_step``."""
+    for prefix, kind in LEFTOVER_KINDS.items():
+        if name.startswith(prefix):
+            return kind
+    return UNCOMMITTED_STEP_KIND
+
+
+def tree_size(storage: CheckpointStorage, path: str) -> int | None:
+    """Total bytes of the files under ``path`` (None when the store cannot say)."""
+    try:
+        storage.fs.invalidate_cache(path)
+        return int(storage.fs.du(path, total=True))
+    except (OSError, ValueError, TypeError, NotImplementedError):
+        return None
+
+
+def render_ls(report: Report, out: TextIO) -> None:
+    """The tables of ``ckptmgr ls``."""
+    if report["steps"]:
+        rows = [
+            [
+                str(row["step"]),
+                _or_dash(row["committed_at"], format_display_time),
+                _or_dash(row["size"], format_bytes),
+                f"unreadable: {row['error']}" if row["error"] else format_metrics(row["metrics"]),
+            ]
+            for row in report["steps"]
+        ]
+        write_table(out, ["STEP", "COMMITTED (UTC)", "SIZE", "METRICS"], rows, right=("STEP",))
+    else:
+        print(f"no committed steps under {report['root']}", file=out)
+    leftovers = report["leftovers"]
+    if leftovers is None:
+        return
+    print(file=out)
+    if not leftovers:
+        print("no uncommitted leftovers", file=out)
+        return
+    print("uncommitted leftovers (never listed as steps):", file=out)
+    rows = [
+        [
+            row["name"],
+            LEFTOVER_KIND_TEXT[row["kind"]],
+            _or_dash(row["age_s"], format_age),
+            _or_dash(row["size"], format_bytes),
+        ]
+        for row in leftovers
+    ]
+    write_table(out, ["NAME", "KIND", "AGE", "SIZE"], rows)
+
+
+# -- inspect ---------------------------------------------------------------------------------
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """``ckptmgr inspect``: the tensors of one step."""
+    storage = open_storage(args.path, args.storage_option)
+    step = latest_step(storage) if args.step is None else args.step
+    report = inspect_report(storage, read_committed_record(storage, step))
+    emit(report, args.json, render_inspect)
+    return EXIT_OK
+
+
+def inspect_report(storage: CheckpointStorage, record: CommitRecord) -> Report:
+    """The JSON document of ``ckptmgr inspect``."""
+    tensors = [
+        {
+            "name": name,
+            "dtype": entry.dtype,
+            "shape": list(entry.shape),
+            "bytes": tensor_nbytes(entry.dtype, entry.shape),
+        }
+        for name, entry in record.tensors.items()
+    ]
+    known_sizes = [row["bytes"] for row in tensors]
+    return {
+        "root": storage.url,
+        "step": record.step,
+        "committed_at": format_timestamp(record.committed_at),
+        "world_size": record.world_size,
+        "metrics": dict(record.metrics),
+        "metadata": dict(record.metadata),
+        "tensors": tensors,
+        "tensor_bytes": None if None in known_sizes else sum(known_sizes),
+        "files": [{"path": entry.path, "size": entry.size} for entry in record.files],
+        "size": sum(entry.size for entry in record.files),
+        "ckptmgr_version": record.ckptmgr_version,
+        "torch_version": record.torch_version,
+    }
+
+
+def tensor_nbytes(dtype_name: str, shape: Sequence[int]) -> int | None:
+    """Bytes of a dense tensor of this dtype and shape (None for a dtype torch does not know)."""
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        return None
+    return math.prod(shape) * dtype.itemsize
+
+
+def render_inspect(report: Report, out: TextIO) -> None:
+    """The header and tensor table of ``ckptmgr inspect``."""
+    print(
+        f"step {report['step']} of {report['root']}, committed "
+        f"{format_display_time(report['committed_at'])} UTC by {report['world_size']} rank(s)",
+        file=out,
+    )
+    if report["metrics"]:
+        print(f"metrics: {format_metrics(report['metrics'])}", file=out)
+    if report["metadata"]:
+        print(f"metadata: {json.dumps(report['metadata'], sort_keys=True)}", file=out)
+    print(file=out)
+    rows = [
+        [
+            row["name"],
+            row["dtype"],
+            format_shape(row["shape"]),
+            _or_dash(row["bytes"], format_bytes),
+        ]
+        for row in report["tensors"]
+    ]
+    write_table(out, ["NAME", "DTYPE", "SHAPE", "SIZE"], rows, right=("SIZE",))
+    print(file=out)
+    print(
+        f"{plural(len(report['tensors']), 'tensor')}, "
+        f"{_or_dash(report['tensor_bytes'], format_bytes)} of tensor data; "
+        f"{plural(len(report['files']), 'file')}, {format_bytes(report['size'])} on storage",
+        file=out,
+    )
+
+
+# -- prune -----------------------------------------------------------------------------------
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    """``ckptmgr prune``: apply retention policies, print the decision for every step."""
+    policies = policies_from_args(args)
+    storage = open_storage(args.path, args.storage_option)
+    reader = RecordReader(storage)
+    retention_plan = plan(combine(policies), reader)
+    infos, _ = reader.infos(retention_plan.listed)
+    committed_at = {info.step: format_timestamp(info.committed_at) for info in infos}
+    report: Report = {
+        "root": storage.url,
+        "dry_run": bool(args.dry_run),
+        "policies": [str(policy) for policy in policies],
+        "decisions": [
+            {
+                "step": decision.step,
+                "committed_at": committed_at.get(decision.step),
+                "kept": decision.kept,
+                "reasons": list(decision.reasons),
+            }
+            for decision in retention_plan.decisions
+        ],
+        "to_delete": retention_plan.doomed,
+        "deleted": [],
+    }
+    if not args.dry_run and retention_plan.doomed:
+        report["deleted"] = delete_with_progress(storage, retention_plan.doomed, delete_steps)
+    emit(report, args.json, render_prune)
+    return EXIT_OK
+
+
+def policies_from_args(args: argparse.Namespace) -> list[RetentionPolicy]:
+    """The retention policies named on the command line (a usage error if there are none)."""
+    parser: argparse.ArgumentParser = args.subparser
+    if args.metric is not None and args.keep_best is None:
+        parser.error("--metric is only used with --keep-best")
+    if args.keep_best is not None and not args.metric:
+        parser.error("--keep-best needs --metric")
+    policies: list[RetentionPolicy] = []
+    if args.keep_latest is not None:
+        policies.append(KeepLatest(args.keep_latest))
+    if args.keep_every_n_steps is not None:
+        policies.append(KeepEveryNSteps(args.keep_every_n_steps))
+    if args.keep_every_n_seconds is not None:
+        policies.append(KeepEveryNSeconds(args.keep_every_n_seconds))
+    if args.keep_best is not None:
+        policies.append(KeepBest(args.keep_best, args.metric, args.mode))
+    if args.keep_steps:
+        policies.append(KeepSteps(frozenset(s for group in args.keep_steps for s in group)))
+    if not policies:
+        parser.error(
+            "give at least one retention policy: --keep-latest, --keep-every-n-steps, "
+            "--keep-every-n-seconds, --keep-best or --keep-steps"
+        )
+    return policies
+
+
+def render_prune(report: Report, out: TextIO) -> None:
+    """The decision table and summary of ``ckptmgr prune``."""
+    if not report["decisions"]:
+        print(f"no committed steps under {report['root']}", file=out)
+        return
+    dropped = "would delete" if report["dry_run"] else "deleted"
+    rows = [
+        [
+            str(row["step"]),
+            _or_dash(row["committed_at"], format_display_time),
+            "kept" if row["kept"] else dropped,
+            "; ".join(row["reasons"]),
+        ]
+        for row in report["decisions"]
+    ]
+    write_table(out, ["STEP", "COMMITTED (UTC)", "ACTION", "REASONS"], rows, right=("STEP",))
+    print(file=out)
+    total = len(report["decisions"])
+    if not report["to_delete"]:
+        print(f"nothing to delete: all {total} steps are kept", file=out)
+    elif report["dry_run"]:
+        print(
+            f"dry run: would delete {len(report['to_delete'])} of {total} steps "
+            f"{report['to_delete']}; nothing was deleted",
+            file=out,
+        )
+    else:
+        print(f"deleted {len(report['deleted'])} of {total} steps {report['deleted']}", file=out)
+
+
+# -- rm --------------------------------------------------------------------------------------
+
+
+def run_rm(args: argparse.Namespace) -> int:
+    """``ckptmgr rm``: delete committed steps; none is deleted if one is not committed."""
+    storage = open_storage(args.path, args.storage_option)
+    steps = sorted(set(args.steps))
+    committed = set(storage.committed_steps())
+    for step in steps:
+        if step not in committed:
+            raise StepNotFoundError(step, committed)
+    deleted = delete_with_progress(storage, steps, delete_committed_steps)
+    emit({"root": storage.url, "deleted": deleted}, args.json, render_rm)
+    return EXIT_OK
+
+
+def delete_committed_steps(
+    storage: CheckpointStorage,
+    steps: Sequence[int],
+    on_deleted: Callable[[int], None] | None = None,
+) -> None:
+    """Delete ``steps``; tries every one, then raises ``CheckpointError`` naming the failures."""
+    failures: list[tuple[int, Exception]] = []
+    for step in steps:
+        try:
+            storage.delete_step(step)
+        except Exception as error:
+            failures.append((step, error))
+        if on_deleted is not None:
+            on_deleted(step)
+    if failures:
+        first_step, first_error = failures[0]
+        raise CheckpointError(
+            f"could not delete step(s) {[step for step, _ in failures]} "
+            f"(step {first_step}: {_one_line(first_error)})"
+        ) from first_error
+
+
+def render_rm(report: Report, out: TextIO) -> None:
+    """One line per deleted step."""
+    for step in report["deleted"]:
+        print(f"deleted step {step}", file=out)
+
+
+def delete_with_progress(
+    storage: CheckpointStorage,
+    steps: Sequence[int],
+    deleter: Callable[..., None],
+) -> list[int]:
+    """Delete ``steps`` with ``deleter(storage, steps, on_deleted=...)``, showing progress."""
+    with progress("deleting", len(steps), format_count) as bar:
+        deleter(storage, steps, on_deleted=lambda _step: bar.advance(1))
+    return list(steps)
+
+
+# -- export ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ExportedState:
+    """A step rebuilt as nested dicts, and what went into it."""
+
+    state: dict[str, Any] = field(default_factory=dict)
+    tensor_count: int = 0
+    tensor_bytes: int = 0
+    plain_value_count: int = 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """``ckptmgr export``: one step as a single ``torch.save`` file."""
+    storage = open_storage(args.path, args.storage_option)
+    record = read_committed_record(storage, args.step)
+    if not 0 <= args.rank < record.world_size:
+        raise CheckpointError(
+            f"--rank {args.rank} is out of range: step {args.step} was saved by "
+            f"{record.world_size} rank(s)"
+        )
+    check_output_path(args.output)
+    exported = export_state(storage, record, args.rank)
+    write_torch_file(exported.state, args.output, exported.tensor_bytes)
+    report = {
+        "root": storage.url,
+        "step": record.step,
+        "rank": args.rank,
+        "output": str(args.output),
+        "tensors": exported.tensor_count,
+        "tensor_bytes": exported.tensor_bytes,
+        "plain_values": exported.plain_value_count,
+        "file_size": args.output.stat().st_size,
+    }
+    emit(report, args.json, render_export)
+    return EXIT_OK
+
+
+def export_state(storage: CheckpointStorage, record: CommitRecord, rank: int) -> ExportedState:
+    """Load one step's tensors and plain values (as ``rank`` restores them) into nested dicts.
+
+    This is what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does (empty
+    tensors rebuilt from the metadata, loaded in one process), but safely: the metadata goes
+    through ckptmgr's restricted unpickler, and pickled (BYTE_IO) items are refused up front and
+    again in the planner, never unpickled.
+    """
+    step_url = storage.url_for(storage.step_path(record.step))
+    metadata = new_reader(storage, step_url).read_metadata()
+    refuse_pickled_items(metadata)
+    stored_names = tensors_for_rank(metadata, rank)
+    buffers = {name: empty_tensor_like(metadata.state_dict_metadata[name]) for name in stored_names}
+    exported = ExportedState(tensor_count=len(buffers))
+    exported.tensor_bytes = sum(t.numel() * t.element_size() for t in buffers.values())
+    with progress("reading", exported.tensor_bytes, format_bytes) as bar:
+        planner = ProgressLoadPlanner(on_loaded=bar.advance)
+        dcp.load(buffers, storage_reader=new_reader(storage, step_url), planner=planner)
+    tree = NestedState()
+    for name, path in stored_names.items():
+        tree.insert(path, buffers[name])
+    plain_values = read_plain_values(storage, record, rank)
+    for path, value in plain_values.items():
+        tree.insert(path, value)
+    exported.state = tree.root
+    exported.plain_value_count = len(plain_values)
+    return exported
+
+
+def new_reader(storage: CheckpointStorage, step_url: str) -> Any:
+    """ckptmgr's safe DCP reader for one step directory."""
+    return make_reader(step_url, local=storage.is_local, storage_options=storage.storage_options)
+
+
+def refuse_pickled_items(metadata: dcp_metadata.Metadata) -> None:
+    """Raise ``CheckpointError`` if the checkpoint holds pickled (BYTE_IO) items."""
+    pickled = sorted(
+        name
+        for name, item in metadata.state_dict_metadata.items()
+        if isinstance(item, dcp_metadata.BytesStorageMetadata)
+    )
+    if pickled:
+        raise CheckpointError(
+            f"the checkpoint holds pickled objects {pickled}; ckptmgr never unpickles "
+            "checkpoint data, so it cannot export this step"
+        )
+
+
+def tensors_for_rank(metadata: dcp_metadata.Metadata, rank: int) -> dict[str, str]:
+    """Stored tensor name -> path, for what ``rank`` would restore.
+
+    Shared tensors are stored under their path. Per-rank tensors (``%rank00003%/<path>``) are
+    taken from ``rank``, or from rank 0 when ``rank`` has no copy; other ranks' copies are left out.
+    """
+    chosen: dict[str, str] = {}
+    private: dict[str, dict[int, str]] = {}
+    for name, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, dcp_metadata.TensorStorageMetadata):
+            continue
+        match = RANK_PRIVATE_NAME.match(name)
+        if match is None:
+            chosen[name] = name
+        else:
+            private.setdefault(match["path"], {})[int(match["rank"])] = name
+    for path, by_rank in private.items():
+        name = by_rank.get(rank, by_rank.get(0))
+        if name is not None:
+            chosen[name] = path
+    return chosen
+
+
+def empty_tensor_like(item: dcp_metadata.TensorStorageMetadata) -> torch.Tensor:
+    """An uninitialised CPU tensor of the stored global shape and dtype."""
+    return torch.empty(item.size, dtype=item.properties.dtype)
+
+
+class ProgressLoadPlanner(TensorOnlyLoadPlanner):
+    """ckptmgr's tensor-only planner that reports the bytes of every chunk it has loaded."""
+
+    def __init__(self, on_loaded: Callable[[int], None]) -> None:
+        super().__init__()
+        self.on_loaded = on_loaded
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """Called by DCP once a chunk is in place."""
+        super().commit_tensor(read_item, tensor)
+        self.on_loaded(tensor.numel() * tensor.element_size())
+
+
+def read_plain_values(
+    storage: CheckpointStorage, record: CommitRecord, rank: int
+) -> dict[str, Any]:
+    """Decoded plain values by path, from ``rank``'s file or else rank 0's (as restore does)."""
+    for name in (objects_file_name(rank), objects_file_name(0)):
+        if name in record.object_files:
+            stored = storage.read_objects(record.step, name)
+            return {path: objects.decode(value) for path, value in stored.items()}
+    return {}
+
+
+def unescape_key(part: str) -> str:
+    """Undo ``ckptmgr.state.join_path``'s escaping: ``%2F`` -> ``/`` and ``%25`` -> ``%``."""
+    return ESCAPED_KEY_CHAR.sub(lambda match: "/" if match[0] == "%2F" else "%", part)
+
+
+class NestedState:
+    """Nested dicts built from stored paths such as ``model/fc1.weight``."""
+
+    def __init__(self) -> None:
+        self.root: dict[str, Any] = {}
+        self._branches: set[tuple[str, ...]] = set()
+        self._leaves: set[tuple[str, ...]] = set()
+
+    def insert(self, path: str, value: Any) -> None:
+        """Put ``value`` at ``path``; ``CheckpointError`` if the path clashes with another."""
+        keys = tuple(unescape_key(part) for part in path.split("/"))
+        node = self.root
+        for depth in range(1, len(keys)):
+            if keys[:depth] in self._leaves:
+                raise self._clash(path)
+            self._branches.add(keys[:depth])
+            node = node.setdefault(keys[depth - 1], {})
+        if keys in self._leaves or keys in self._branches:
+            raise self._clash(path)
+        self._leaves.add(keys)
+        node[keys[-1]] = value
+
+    @staticmethod
+    def _clash(path: str) -> CheckpointError:
+        return CheckpointError(
+            f"cannot export: the checkpoint has a value at {path!r} and also under or above it"
+        )
+
+
+def check_output_path(output: Path) -> None:
+    """Fail before any loading if ``output`` cannot be written as a file."""
+    if output.is_dir():
+        raise CheckpointError(f"{output} is a directory; give the file to write")
+    if not output.parent.is_dir():
+        raise CheckpointError(f"cannot write {output}: {output.parent} is not a directory")
+
+
+def write_torch_file(state: Mapping[str, Any], output: Path, expected_bytes: int) -> None:
+    """``torch.save`` to a temporary file beside ``output``, fsync it, then rename it into place.
+
+    ``expected_bytes`` (the tensor data) sizes the progress bar; the file is slightly larger.
+    """
+    temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    try:
+        with (
+            progress("writing", expected_bytes, format_bytes) as bar,
+            open(temporary, "wb") as handle,
+        ):
+            torch.save(dict(state), CountingWriter(handle, bar.advance))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, output)
+    except RuntimeError as error:  # torch.save reports write failures as RuntimeError
+        raise CheckpointError(f"cannot write {output}: {_one_line(error)}") from error
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+class CountingWriter:
+    """A binary file for ``torch.save`` that reports the bytes written through it."""
+
+    def __init__(self, handle: BinaryIO, on_written: Callable[[int], None]) -> None:
+        self.handle = handle
+        self.on_written = on_written
+
+    def write(self, data: bytes) -> int:
+        """Write ``data`` to the file and report its size."""
+        written = self.handle.write(data)
+        self.on_written(memoryview(data).nbytes)
+        return written
+
+    def flush(self) -> None:
+        """Flush the file."""
+        self.handle.flush()
+
+
+def render_export(report: Report, out: TextIO) -> None:
+    """One summary line."""
+    print(
+        f"wrote step {report['step']} (rank {report['rank']}) to {report['output']}: "
+        f"{plural(report['tensors'], 'tensor')} ({format_bytes(report['tensor_bytes'])}), "
+        f"{plural(report['plain_values'], 'plain value')}, {format_bytes(report['file_size'])}",
+        file=out,
+    )
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def emit(report: Report, as_json: bool, render: Callable[[Report, TextIO], None]) -> None:
+    """Print ``report`` as indented JSON, or with ``render`` for a person."""
+    if as_json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render(report, sys.stdout)
+    sys.stdout.flush()
+
+
+def write_table(
+    out: TextIO, header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[str] = ()
+) -> None:
+    """Columns padded to their widest cell; the last column is not padded."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    right_aligned = {index for index, name in enumerate(header) if name in right}
+    for line in [list(header), *rows]:
+        cells = []
+        for index, cell in enumerate(line):
+            last = index == len(line) - 1
+            if index in right_aligned:
+                cells.append(cell.rjust(widths[index]))
+            else:
+                cells.append(cell if last else cell.ljust(widths[index]))
+        print("  ".join(cells).rstrip(), file=out)
+
+
+def format_timestamp(moment: _dt.datetime) -> str:
+    """ISO 8601 in UTC with a ``Z``, as in ``commit.json``."""
+    utc = moment.astimezone(_dt.timezone.utc) if moment.tzinfo else moment
+    return utc.replace(tzinfo=None).isoformat() + "Z"
+
+
+def format_display_time(timestamp: str) -> str:
+    """``2026-11-22T22:56:57.660572Z`` -> ``2026-11-22 22:56:57``."""
+    return timestamp.replace("T", " ").removesuffix("Z").split(".")[0]
+
+
+def format_bytes(size: float) -> str:
+    """Binary units: ``512 B``, ``3.1 KiB``, ``2.0 GiB``."""
+    if size < 1024:
+        return f"{int(size)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+def format_count(count: float) -> str:
+    """A whole number of things."""
+    return str(int(count))
+
+
+def format_age(seconds: float) -> str:
+    """``42 s``, ``5 min``, ``3.0 h``, ``2.5 d``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def format_metrics(metrics: Mapping[str, float]) -> str:
+    """``loss=0.25 acc=0.9`` (sorted by name)."""
+    return " ".join(f"{name}={value:g}" for name, value in sorted(metrics.items()))
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """``[2, 4]``; ``[]`` for a scalar."""
+    return "[" + ", ".join(str(size) for size in shape) + "]"
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 tensor``, ``2 tensors``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _or_dash(value: Any, formatter: Callable[[Any], str]) -> str:
+    return "-" if value is None else formatter(value)
+
+
+# -- progress --------------------------------------------------------------------------------
+
+
+class ProgressBar:
+    """A one-line bar on a terminal, redrawn in place: ``reading [####....]  50% 1.0/2.0 MiB``."""
+
+    WIDTH = 30
+    MIN_REDRAW_S = 0.1
+
+    def __init__(
+        self, stream: TextIO, label: str, total: float, format_amount: Callable[[float], str]
+    ) -> None:
+        self.stream = stream
+        self.label = label
+        self.total = total
+        self.format_amount = format_amount
+        self.done = 0.0
+        self._last_draw = -math.inf
+        self._last_length = 0
+        self._drew_complete = False
+        self._draw()
+
+    def advance(self, amount: float) -> None:
+        """Count ``amount`` more as done; redraws at most every ``MIN_REDRAW_S`` seconds."""
+        self.done += amount
+        just_completed = self.done >= self.total and not self._drew_complete
+        if just_completed or time.monotonic() - self._last_draw >= self.MIN_REDRAW_S:
+            self._draw()
+
+    def close(self) -> None:
+        """Draw the final state and end the line."""
+        self._draw()
+        self.stream.write("\n")
+        self.stream.flush()
+
+    def _draw(self) -> None:
+        fraction = 1.0 if self.total <= 0 else min(self.done / self.total, 1.0)
+        filled = round(fraction * self.WIDTH)
+        text = (
+            f"{self.label} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction:4.0%} "
+            f"{self.format_amount(min(self.done, self.total))}/{self.format_amount(self.total)}"
+        )
+        padding = " " * max(self._last_length - len(text), 0)
+        self.stream.write(f"\r{text}{padding}")
+        self.stream.flush()
+        self._last_length = len(text)
+        self._last_draw = time.monotonic()
+        self._drew_complete = fraction >= 1.0
+
+
+class NoProgress:
+    """Stands in for :class:`ProgressBar` when stderr is not a terminal: draws nothing."""
+
+    def advance(self, amount: float) -> None:
+        """Ignore progress."""
+
+
+@contextmanager
+def progress(
+    label: str, total: float, format_amount: Callable[[float], str]
+) -> Iterator[ProgressBar | NoProgress]:
+    """A progress bar on stderr if stderr is a terminal, else one that prints nothing."""
+    if not sys.stderr.isatty():
+        yield NoProgress()
+        return
+    bar = ProgressBar(sys.stderr, label, total, format_amount)
+    try:
+        yield bar
+    finally:
+        bar.close()

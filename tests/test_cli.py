@@ -1,0 +1,597 @@
+"""The ``ckptmgr`` command line, run as real processes on checkpoints written by a real manager.
+
+Every subprocess imports torch (seconds on a busy 2-core machine), so each test runs as few
+commands as it can: one source checkpoint is written once per module, tests that delete work on
+copies of it, and the less central cases run as several ``ckptmgr.cli.main`` calls inside one
+child interpreter.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import pty
+import select
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import REPO, run_python
+from torch import nn
+
+from ckptmgr import CheckpointManager, PerRank, objects
+from ckptmgr.cli import NestedState, parse_storage_option, unescape_key
+from ckptmgr.errors import CheckpointError
+from ckptmgr.state import flatten
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+COMMAND_TIMEOUT_S = 120.0  # one CLI process, torch import included, on a loaded machine
+LOSSES = {10: 0.9, 20: 0.2, 40: 0.4, 50: 0.6, 30: 0.5}  # saved in this order: 30 is newest
+NEWEST_BY_COMMIT_TIME = 30
+EXPORTED_STEP = 20
+
+
+@dataclass
+class SourceCheckpoint:
+    """A checkpoint root with steps 10..50 and what was saved in it."""
+
+    root: Path
+    flat_tensors: dict[int, dict[str, torch.Tensor]]  # step -> stored name -> tensor
+    nested_states: dict[int, dict[str, Any]]  # step -> the dict `export` should produce
+
+
+@dataclass
+class CliResult:
+    """Exit status and output of one command."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli_env() -> dict[str, str]:
+    """The environment of a CLI process: this checkout first on the path."""
+    return dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+
+
+def run_cli(*args: str, console_script: bool = False, cwd: Path | None = None) -> CliResult:
+    """``python -m ckptmgr ARGS`` (or the installed console script), bounded in time."""
+    if console_script:
+        script = Path(sys.executable).parent / "ckptmgr"
+        assert script.is_file(), (
+            f"{script} is missing: reinstall with `pip install -c constraints.txt -e '.[dev]'`"
+        )
+        command = [str(script), *args]
+    else:
+        command = [sys.executable, "-m", "ckptmgr", *args]
+    completed = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+        env=cli_env(),
+        cwd=cwd,
+        check=False,
+    )
+    return CliResult(completed.returncode, completed.stdout, completed.stderr)
+
+
+def run_cli_with_terminal_stderr(*args: str) -> CliResult:
+    """``python -m ckptmgr ARGS`` with stderr on a pseudo-terminal (stdout stays a pipe)."""
+    master, slave = pty.openpty()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ckptmgr", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            env=cli_env(),
+        )
+    finally:
+        os.close(slave)
+    deadline = time.monotonic() + COMMAND_TIMEOUT_S
+    terminal = bytearray()
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"ckptmgr {args} did not finish in {COMMAND_TIMEOUT_S} s")
+            ready, _, _ = select.select([master], [], [], min(remaining, 0.5))
+            if not ready:
+                continue
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal (it exited)
+                break
+            if not chunk:
+                break
+            terminal += chunk
+        stdout, _ = process.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+    finally:
+        os.close(master)
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    return CliResult(process.returncode, stdout.decode(), terminal.decode(errors="replace"))
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Nested dicts from stored paths, rank 0's per-rank tensors at their path (the spec)."""
+    root: dict[str, Any] = {}
+    for name, value in flat.items():
+        path = name.removeprefix("%rank00000%/")
+        keys = [part.replace("%2F", "/").replace("%25", "%") for part in path.split("/")]
+        node = root
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return root
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps with a commit record, read straight from the directory."""
+    return sorted(
+        int(path.parent.name.removeprefix("step_")) for path in root.glob("step_*/commit.json")
+    )
+
+
+def copy_root(source: SourceCheckpoint, tmp_path: Path) -> Path:
+    """A private copy of the source checkpoint root, for a test that deletes."""
+    target = tmp_path / "copy"
+    shutil.copytree(source.root, target)
+    return target
+
+
+def one_error_line(stderr: str) -> str:
+    """The single ``ckptmgr: error:`` line of a failed command (and nothing else)."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("ckptmgr: error: "), stderr
+    return lines[0]
+
+
+def assert_same(actual: Any, expected: Any, where: str = "state") -> None:
+    """Equal values of equal types; tensors bit-exact with the same dtype and shape."""
+    assert type(actual) is type(expected), f"{where}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+        assert torch.equal(actual, expected), where
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected), where
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{where}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for index, (left, right) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(left, right, f"{where}[{index}]")
+    else:
+        assert actual == expected, where
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> SourceCheckpoint:
+    """Five steps of a small model with AdamW state, per-rank stats and awkward keys.
+
+    Step 30 is saved last, so it is the newest by commit time while 50 is the highest step.
+    """
+    root = tmp_path_factory.mktemp("cli") / "run"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    flat_tensors: dict[int, dict[str, torch.Tensor]] = {}
+    nested_states: dict[int, dict[str, Any]] = {}
+    with CheckpointManager(str(root), save_interval=10, chkpt_on_preemption=False) as mgr:
+        for step, loss in LOSSES.items():
+            model(torch.randn(16, 4)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            stats = torch.tensor([float(step), loss])
+            half = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3) * step
+            odd = torch.arange(3, dtype=torch.int64) + step
+            state = {
+                "model": model,
+                "optimizer": optimizer,
+                "epoch": step // 10,
+                "extras": {"names": ("a", "b"), "raw": b"\x00\x01", "half": half, "a/b%": odd},
+                "stats": PerRank(stats),
+            }
+            assert mgr.save(step, state, metrics={"loss": loss})
+            saved = flatten(state)  # what the manager stored: stored name -> tensor, path -> value
+            flat_tensors[step] = {name: t.detach().clone() for name, t in saved.tensors.items()}
+            plain_values = {path: objects.decode(value) for path, value in saved.objects.items()}
+            nested_states[step] = nest({**flat_tensors[step], **plain_values})
+    assert committed_steps(root) == sorted(LOSSES)
+    return SourceCheckpoint(root, flat_tensors, nested_states)
+
+
+# -- ls ----------------------------------------------------------------------------------------
+
+
+def test_ls_all_json_lists_steps_and_leftovers_for_a_file_url(
+    source: SourceCheckpoint, tmp_path: Path
+) -> None:
+    root = copy_root(source, tmp_path)
+    interrupted_save = root / ".tmp-step_000000000005-abc"
+    interrupted_save.mkdir()
+    (interrupted_save / "__0_0.distcp").write_bytes(b"x" * 100)
+    (root / "step_000000000060").mkdir()
+    (root / "step_000000000060" / ".metadata").write_bytes(b"y" * 7)
+    (root / "notes.txt").write_text("not a checkpoint")
+
+    result = run_cli("ls", root.as_uri(), "--all", "--json", "-o", "auto_mkdir=false")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    report = json.loads(result.stdout)
+    assert set(report) == {"root", "steps", "leftovers"}
+    assert report["root"] == root.as_uri()
+    assert [row["step"] for row in report["steps"]] == sorted(LOSSES)
+    for row in report["steps"]:
+        assert set(row) == {
+            "step",
+            "committed_at",
+            "size",
+            "world_size",
+            "metrics",
+            "metadata",
+            "error",
+        }
+        record = json.loads((root / f"step_{row['step']:012d}" / "commit.json").read_text())
+        assert row["committed_at"] == record["committed_at"]
+        assert dt.datetime.fromisoformat(row["committed_at"].replace("Z", "+00:00")).tzinfo
+        assert row["size"] == sum(entry["size"] for entry in record["files"])
+        assert row["metrics"] == {"loss": LOSSES[row["step"]]}
+        assert (row["world_size"], row["metadata"], row["error"]) == (1, {}, None)
+    leftovers = {row["name"]: row for row in report["leftovers"]}
+    assert set(leftovers) == {".tmp-step_000000000005-abc", "step_000000000060"}
+    assert leftovers[".tmp-step_000000000005-abc"]["kind"] == "interrupted_save"
+    assert leftovers[".tmp-step_000000000005-abc"]["size"] == 100
+    assert leftovers["step_000000000060"]["kind"] == "uncommitted_step"
+    assert leftovers["step_000000000060"]["size"] == 7
+    assert all(0 <= row["age_s"] < 600 for row in report["leftovers"])
+    assert (root / "step_000000000060").is_dir(), "ls must not remove anything"
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+
+def test_inspect_json_lists_the_latest_steps_tensors_with_their_nbytes(
+    source: SourceCheckpoint,
+) -> None:
+    result = run_cli("inspect", str(source.root), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    latest = max(LOSSES)
+    expected = source.flat_tensors[latest]
+    assert report["step"] == latest
+    assert report["metrics"] == {"loss": LOSSES[latest]}
+    by_name = {row["name"]: row for row in report["tensors"]}
+    assert set(by_name) == set(expected)
+    for name, tensor in expected.items():
+        assert by_name[name] == {
+            "name": name,
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "shape": list(tensor.shape),
+            "bytes": tensor.nbytes,
+        }
+    assert report["tensor_bytes"] == sum(t.nbytes for t in expected.values())
+    record = json.loads((source.root / f"step_{latest:012d}" / "commit.json").read_text())
+    assert report["files"] == record["files"]
+    assert report["size"] == sum(entry["size"] for entry in record["files"])
+    assert report["world_size"] == 1 and report["torch_version"] == torch.__version__
+
+
+# -- prune -------------------------------------------------------------------------------------
+
+
+def test_prune_dry_run_deletes_nothing_and_prune_deletes_exactly_the_plan(
+    source: SourceCheckpoint, tmp_path: Path
+) -> None:
+    root = copy_root(source, tmp_path)
+    policy = ["--keep-latest", "1", "--keep-steps", "20"]
+
+    dry = run_cli("prune", str(root), *policy, "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stderr == "", "no progress bar when stderr is not a terminal"
+    plan = json.loads(dry.stdout)
+    assert set(plan) == {"root", "dry_run", "policies", "decisions", "to_delete", "deleted"}
+    assert plan["dry_run"] is True and plan["deleted"] == []
+    assert plan["to_delete"] == [10, 40]
+    assert committed_steps(root) == sorted(LOSSES), "a dry run deletes nothing"
+    decisions = {row["step"]: row for row in plan["decisions"]}
+    assert decisions[NEWEST_BY_COMMIT_TIME]["kept"]
+    assert decisions[NEWEST_BY_COMMIT_TIME]["reasons"] == [
+        "protected: the most recently committed step"
+    ]
+    assert decisions[50]["reasons"] == ["KeepLatest(1): one of the 1 highest steps"]
+    assert decisions[20]["reasons"] == ["KeepSteps: listed explicitly"]
+    assert decisions[10] == {
+        "step": 10,
+        "committed_at": decisions[10]["committed_at"],
+        "kept": False,
+        "reasons": ["no policy keeps it"],
+    }
+
+    real = run_cli_with_terminal_stderr("prune", str(root), *policy)
+    assert real.returncode == 0, real.stderr
+    assert committed_steps(root) == [20, 30, 50]
+    assert sorted(set(sorted(LOSSES)) - set(committed_steps(root))) == plan["to_delete"]
+    assert "deleting [" in real.stderr and "100%" in real.stderr and "2/2" in real.stderr
+    assert "\r" not in real.stdout and "#" not in real.stdout
+    lines = real.stdout.strip().splitlines()
+    assert lines[0].split()[:5] == ["STEP", "COMMITTED", "(UTC)", "ACTION", "REASONS"]
+    actions = {int(line.split()[0]): line.split()[3] for line in lines[1:6]}
+    assert actions == {10: "deleted", 20: "kept", 30: "kept", 40: "deleted", 50: "kept"}
+    assert lines[-1] == "deleted 2 of 5 steps [10, 40]"
+
+
+# -- export ------------------------------------------------------------------------------------
+
+
+def test_export_writes_a_torch_save_file_with_bit_exact_tensors(
+    source: SourceCheckpoint, tmp_path: Path
+) -> None:
+    output = tmp_path / "exported.pt"
+    result = run_cli("export", str(source.root), str(EXPORTED_STEP), str(output), "--json")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", "no progress bar when stderr is not a terminal"
+    report = json.loads(result.stdout)
+    expected_tensors = source.flat_tensors[EXPORTED_STEP]
+    assert report == {
+        "root": str(source.root),
+        "step": EXPORTED_STEP,
+        "rank": 0,
+        "output": str(output),
+        "tensors": len(expected_tensors),
+        "tensor_bytes": sum(t.nbytes for t in expected_tensors.values()),
+        "plain_values": 4,  # optimizer/param_groups, epoch, extras/names, extras/raw
+        "file_size": output.stat().st_size,
+    }
+    exported = torch.load(output, weights_only=True)
+    assert_same(exported, source.nested_states[EXPORTED_STEP])
+    assert exported["epoch"] == EXPORTED_STEP // 10
+    assert exported["extras"]["names"] == ("a", "b") and exported["extras"]["raw"] == b"\x00\x01"
+    assert torch.equal(exported["extras"]["a/b%"], torch.arange(3) + EXPORTED_STEP)
+    assert exported["extras"]["half"].dtype == torch.bfloat16
+    assert torch.equal(
+        exported["stats"], torch.tensor([float(EXPORTED_STEP), LOSSES[EXPORTED_STEP]])
+    )
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model.load_state_dict(exported["model"])  # the model part loads as it is
+
+    on_terminal = run_cli_with_terminal_stderr(
+        "export", str(source.root), str(EXPORTED_STEP), str(tmp_path / "again.pt")
+    )
+    assert on_terminal.returncode == 0, on_terminal.stderr
+    assert "reading [" in on_terminal.stderr and "writing [" in on_terminal.stderr
+    assert on_terminal.stderr.count("100%") >= 2
+    assert on_terminal.stdout.startswith(f"wrote step {EXPORTED_STEP} (rank 0) to ")
+    assert_same(torch.load(tmp_path / "again.pt", weights_only=True), exported)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.pt", "exported.pt"], (
+        "no temporary file is left"
+    )
+
+
+# -- rm ----------------------------------------------------------------------------------------
+
+
+def test_rm_refuses_a_missing_step_and_deletes_committed_ones(
+    source: SourceCheckpoint, tmp_path: Path
+) -> None:
+    root = copy_root(source, tmp_path)
+    missing = run_cli("rm", str(root), "10", "99")
+    assert missing.returncode == 1
+    assert one_error_line(missing.stderr) == (
+        "ckptmgr: error: no committed checkpoint for step 99; available steps: [10, 20, 30, 40, 50]"
+    )
+    assert missing.stdout == ""
+    assert committed_steps(root) == sorted(LOSSES), "nothing is deleted when a step is missing"
+
+    deleted = run_cli("rm", str(root), "20", "10", "--json", console_script=True)
+    assert deleted.returncode == 0, deleted.stderr
+    assert json.loads(deleted.stdout) == {"root": str(root), "deleted": [10, 20]}
+    assert committed_steps(root) == [30, 40, 50]
+    assert not list(root.glob(".deleting-*")), "a finished delete leaves nothing behind"
+
+
+# -- the rest, as several main() calls in one child interpreter ------------------------------
+
+BATCH_SCRIPT = r"""
+import contextlib, io, json, pickle, shutil, sys
+from pathlib import Path
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckptmgr import CheckpointManager
+from ckptmgr.cli import main
+
+source, work = Path(sys.argv[1]), Path(sys.argv[2])
+results = {}
+
+
+def run(name, *argv):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(list(argv))
+        except SystemExit as exit_:
+            code = exit_.code
+    results[name] = {"rc": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+
+
+# Object store semantics, in memory: no renames, leftovers are step dirs without commit.json.
+with CheckpointManager("memory://cli-test", 1, chkpt_on_preemption=False) as mgr:
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((4,), float(step)), "epoch": step}, metrics={"acc": step})
+fsspec.filesystem("memory").pipe("/cli-test/step_000000000009/__0_0.distcp", b"half")
+run("mem_ls", "ls", "memory://cli-test", "--all", "--json", "-o", "skip_instance_cache=true")
+run("mem_inspect", "inspect", "memory://cli-test", "2")
+run("mem_export", "export", "memory://cli-test", "2", str(work / "mem.pt"))
+run("mem_prune", "prune", "memory://cli-test", "--keep-best", "1", "--metric", "acc",
+    "--mode", "min", "--json")
+run("mem_rm", "rm", "memory://cli-test", "3")
+run("mem_ls_after", "ls", "memory://cli-test", "--json")
+results["mem_export_value"] = torch.load(work / "mem.pt", weights_only=True)["w"].tolist()
+
+# Usage errors (argparse: exit 2) and expected errors (exit 1, one line).
+run("prune_no_policy", "prune", str(source))
+run("prune_metric_missing", "prune", str(source), "--keep-best", "2")
+run("prune_bad_steps", "prune", str(source), "--keep-steps", "1,x")
+run("bad_option", "ls", str(source), "-o", "novalue")
+run("ls_missing", "ls", str(work / "nope"))
+run("unknown_protocol", "ls", "nosuchprotocol://x")
+run("inspect_missing_step", "inspect", str(source), "7")
+run("export_bad_rank", "export", str(source), "10", str(work / "x.pt"), "--rank", "3")
+run("export_no_dir", "export", str(source), "10", str(work / "no" / "x.pt"))
+run("inspect_table", "inspect", str(source), "10")
+run("ls_table", "ls", str(source))
+run("ls_json_no_all", "ls", str(source), "--json")
+results["nope_created"] = (work / "nope").exists()
+
+# A step whose DCP data holds a pickled (BYTE_IO) item: refused, never unpickled.
+pickled = work / "pickled"
+shutil.copytree(source, pickled)
+step_dir = pickled / "step_000000000010"
+for data in step_dir.glob("*.distcp"):
+    data.unlink()
+dcp.save({"w": torch.ones(2), "note": "pickled"}, checkpoint_id=str(step_dir))
+run("export_pickled", "export", str(pickled), "10", str(work / "p.pt"))
+
+
+# A .metadata that would call a function when unpickled: refused.
+class Payload:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+(pickled / "step_000000000020" / ".metadata").write_bytes(pickle.dumps(Payload()))
+run("export_evil", "export", str(pickled), "20", str(work / "e.pt"))
+results["pickled_outputs"] = sorted(p.name for p in work.glob("*.pt"))
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def batch(source: SourceCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The results of the commands in ``BATCH_SCRIPT``, by name."""
+    work = tmp_path_factory.mktemp("batch")
+    result = run_python(BATCH_SCRIPT, str(source.root), str(work), timeout=COMMAND_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "this must never run" not in result.stdout + result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_memory_url_supports_every_command(batch: dict[str, Any]) -> None:
+    ls = json.loads(batch["mem_ls"]["stdout"])
+    assert [row["step"] for row in ls["steps"]] == [1, 2, 3]
+    assert ls["leftovers"] == [
+        {
+            "name": "step_000000000009",
+            "kind": "uncommitted_step",
+            "age_s": ls["leftovers"][0]["age_s"],
+            "size": 4,
+        }
+    ]
+    assert batch["mem_inspect"]["rc"] == 0
+    assert "w     float32  [4]    16 B" in batch["mem_inspect"]["stdout"]
+    assert batch["mem_export"]["rc"] == 0 and batch["mem_export_value"] == [2.0] * 4
+    assert batch["mem_export"]["stdout"].startswith("wrote step 2 (rank 0) to ")
+    prune = json.loads(batch["mem_prune"]["stdout"])
+    assert prune["to_delete"] == prune["deleted"] == [2]
+    assert prune["policies"] == ["KeepBest(1, 'acc', min): one of the 1 lowest 'acc'"]
+    assert batch["mem_rm"] == {"rc": 0, "stdout": "deleted step 3\n", "stderr": ""}
+    assert [row["step"] for row in json.loads(batch["mem_ls_after"]["stdout"])["steps"]] == [1]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("prune_no_policy", "give at least one retention policy"),
+        ("prune_metric_missing", "--keep-best needs --metric"),
+        ("prune_bad_steps", "a step must be an integer, got 'x'"),
+        ("bad_option", "expected KEY=VALUE, got 'novalue'"),
+    ],
+)
+def test_usage_errors_exit_2(batch: dict[str, Any], name: str, message: str) -> None:
+    assert batch[name]["rc"] == 2
+    assert message in batch[name]["stderr"]
+    assert batch[name]["stderr"].startswith("usage: ckptmgr")
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("ls_missing", "/nope does not exist"),
+        ("unknown_protocol", "Protocol not known: nosuchprotocol"),
+        ("inspect_missing_step", "no committed checkpoint for step 7; available steps: [10,"),
+        ("export_bad_rank", "--rank 3 is out of range: step 10 was saved by 1 rank(s)"),
+        ("export_no_dir", "/no is not a directory"),
+        ("export_pickled", "the checkpoint holds pickled objects ['note']; ckptmgr never"),
+        ("export_evil", "refusing to load builtins.print"),
+    ],
+)
+def test_expected_errors_exit_1_with_one_line(
+    batch: dict[str, Any], name: str, message: str
+) -> None:
+    assert batch[name]["rc"] == 1
+    assert message in one_error_line(batch[name]["stderr"])
+    assert batch[name]["stdout"] == ""
+
+
+def test_read_commands_create_and_write_nothing(batch: dict[str, Any]) -> None:
+    assert batch["nope_created"] is False
+    assert batch["pickled_outputs"] == ["mem.pt"], "refused exports leave no file"
+
+
+def test_ls_prints_a_table_of_committed_steps(batch: dict[str, Any]) -> None:
+    assert batch["ls_table"]["rc"] == 0 and batch["ls_table"]["stderr"] == ""
+    header, *rows = batch["ls_table"]["stdout"].strip().splitlines()
+    assert header.split() == ["STEP", "COMMITTED", "(UTC)", "SIZE", "METRICS"]
+    assert [int(row.split()[0]) for row in rows] == sorted(LOSSES)
+    for row in rows:
+        step = int(row.split()[0])
+        assert row.endswith(f"  loss={LOSSES[step]:g}"), row
+        assert " KiB " in row
+
+
+def test_inspect_table_and_ls_json_without_all(batch: dict[str, Any]) -> None:
+    table = batch["inspect_table"]["stdout"].splitlines()
+    assert table[0].startswith("step 10 of ") and "by 1 rank(s)" in table[0]
+    assert table[1] == "metrics: loss=0.9"
+    assert table[3].split() == ["NAME", "DTYPE", "SHAPE", "SIZE"]
+    assert any(line.split()[:3] == ["extras/half", "bfloat16", "[2,"] for line in table)
+    assert table[-1].startswith("19 tensors, ")
+    assert json.loads(batch["ls_json_no_all"]["stdout"])["leftovers"] is None
+
+
+# -- helpers, in this process ------------------------------------------------------------------
+
+
+def test_storage_option_values_are_json_when_they_parse() -> None:
+    assert parse_storage_option("anon=true") == ("anon", True)
+    assert parse_storage_option("retries=3") == ("retries", 3)
+    assert parse_storage_option('headers={"a": 1}') == ("headers", {"a": 1})
+    assert parse_storage_option("project=my-proj") == ("project", "my-proj")
+    assert parse_storage_option("token=a=b") == ("token", "a=b")
+    assert parse_storage_option("empty=") == ("empty", "")
+
+
+def test_paths_unescape_into_nested_dicts_and_clashes_are_refused() -> None:
+    assert unescape_key("a%2Fb%25c%252F") == "a/b%c%2F"
+    tree = NestedState()
+    tree.insert("model/fc.weight", 1)
+    tree.insert("x/a%2Fb", 2)
+    assert tree.root == {"model": {"fc.weight": 1}, "x": {"a/b": 2}}
+    with pytest.raises(CheckpointError, match="also under or above it"):
+        tree.insert("model/fc.weight/extra", 3)
+    with pytest.raises(CheckpointError, match="also under or above it"):
+        tree.insert("model", 4)
