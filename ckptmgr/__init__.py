@@ -10,7 +10,13 @@ from ckptmgr.config import CheckpointConfig
 from ckptmgr.errors import CheckpointError, StepNotFoundError
 from ckptmgr.manager import CheckpointManager
 from ckptmgr.optimizer import prime_optimizer
-from ckptmgr.preemption import PreemptionConfig
+from ckptmgr.preemption import (
+    PreemptionConfig,
+    PreemptionMonitor,
+    PreemptionNotice,
+    WorkerSignalGuard,
+    ignore_preemption_signals_in_worker,
+)
 from ckptmgr.record import CommitRecord
 from ckptmgr.retention import (
     AnyOf,
@@ -49,6 +55,8 @@ __all__ = [
     "KeepSteps",
     "PerRank",
     "PreemptionConfig",
+    "PreemptionMonitor",
+    "PreemptionNotice",
     "RNGState",
     "RetentionDecision",
     "RetentionPolicy",
@@ -61,6 +69,8 @@ __all__ = [
     "StateDict",
     "Stateful",
     "StepNotFoundError",
+    "WorkerSignalGuard",
     "__version__",
+    "ignore_preemption_signals_in_worker",
     "prime_optimizer",
 ]

@@ -25,7 +25,7 @@ from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
 from ckptmgr.errors import CheckpointError, StepNotFoundError
 from ckptmgr.optimizer import prime_optimizer
-from ckptmgr.preemption import PreemptionConfig, SignalWatcher
+from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNotice
 from ckptmgr.record import CommitRecord, TensorEntry, utc_now
 from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
 from ckptmgr.staging import StagingPool
@@ -135,9 +135,11 @@ class CheckpointManager:
             self._storage.remove_leftovers(config.leftover_grace_s)
             listed = self._storage.committed_steps()
         self._committed: set[int] = set(self._comm.broadcast(listed, self._comm.background_group))
-        self._signals = (
-            SignalWatcher(config.preemption.signals) if config.chkpt_on_preemption else None
+        # Signals, cloud metadata servers, the trigger file and (on TPU VMs) XLA's sync manager.
+        self._preemption = (
+            PreemptionMonitor(config.preemption) if config.chkpt_on_preemption else None
         )
+        self._answered_notice: PreemptionNotice | None = None  # its exit_code for exit_after_save
         self._closed = False
         log.info("checkpoints at %s: committed steps %s", config.path, sorted(self._committed))
 
@@ -147,11 +149,15 @@ class CheckpointManager:
         pending, and ``step`` is not already committed (or being written).
 
         Every rank gets the same answer: save policies are evaluated on rank 0 and preemption
-        notices of any rank count (one small all_reduce when distributed).
+        notices of any rank count (one small all_reduce when distributed). With
+        ``preemption.exit_after_save``, exits the process once the preemption checkpoint is
+        committed.
         """
         self._check_open()
         step = _checked_step(step)
-        return self._decide(step, force=False, warn=False)[0]
+        wanted = self._decide(step, force=False, warn=False)[0]
+        self._exit_if_preemption_answered()
+        return wanted
 
     def _decide(self, step: int, *, force: bool, warn: bool) -> tuple[bool, bool]:
         """(save now?, is it the preemption save?) for ``step``."""
@@ -174,20 +180,57 @@ class CheckpointManager:
 
     def _agreed_notice_and_schedule(self, step: int) -> tuple[bool, bool]:
         """(a preemption notice on any rank, rank 0's save policies want ``step``)."""
+        monitor = self._preemption
+        # On XLA, ask its sync manager at every step on every host (it owns SIGTERM there).
+        xla_sync = monitor.xla_sync_point(step) if monitor is not None else None
         notice = (
-            self._signals is not None
-            and self._signals.notified
+            monitor is not None
+            and (monitor.notified or bool(xla_sync))
             and self._preemption_claimed is None
             and self._preemption_reached is None
         )
+        if notice and monitor is not None and monitor.notice is not None:
+            self._answered_notice = monitor.notice  # read before clear(); None on other ranks
         scheduled = self._schedule.wants(step, time.monotonic())
-        if self._signals is None and not self._schedule_needs_agreement:
+        if self._preemption is None and not self._schedule_needs_agreement:
             return False, scheduled  # every rank computes the same answer: no collective
         return self._comm.agree(notice, scheduled)
 
+    def _log_preemption_answered(self, step: int) -> None:
+        notice = self._answered_notice
+        if notice is None:  # another rank got the notice; this one learned it by all_reduce
+            log.warning(
+                "preemption checkpoint of step %d committed (notice from another rank)", step
+            )
+            return
+        log.warning(
+            "preemption checkpoint of step %d committed %.2f s after the notice (%s)",
+            step,
+            time.time() - notice.received_at,
+            notice.source,
+        )
+
+    def _exit_if_preemption_answered(self) -> None:
+        """With ``exit_after_save``: once the preemption checkpoint is committed, join, close
+        and exit the process with 128+signal (143 when the notice was not a signal)."""
+        if not self.config.preemption.exit_after_save:
+            return
+        if self._preemption_claimed is None and self._preemption_reached is None:
+            return
+        self.join()  # raises if the preemption save failed: training goes on, the next step retries
+        if self._preemption_reached is None:
+            return
+        notice = self._answered_notice
+        code = notice.exit_code if notice is not None else 143
+        log.warning(
+            "exiting with status %d after the preemption checkpoint (exit_after_save)", code
+        )
+        self.close()
+        raise SystemExit(code)
+
     def _clear_preemption_notice(self) -> None:
-        if self._signals is not None:
-            self._signals.clear()
+        if self._preemption is not None:
+            self._preemption.clear()
 
     # -- saving ----------------------------------------------------------------------------------
     def save(
@@ -203,10 +246,12 @@ class CheckpointManager:
         Returns True iff a checkpoint was committed, False when the interval says not to save or
         the step already has a checkpoint. ``metrics`` (name -> number) and ``metadata`` (any
         JSON document) are stored in the commit record. Raises ``CheckpointError`` when the save
-        fails; nothing is committed then.
+        fails; nothing is committed then. With ``preemption.exit_after_save``, the preemption
+        checkpoint is followed by ``close()`` and ``SystemExit(128 + signal)``.
         """
         request = self._request(step, state_dict, force, metrics, metadata)
         if request is None:
+            self._exit_if_preemption_answered()
             return False
         future = self._writer.submit(
             f"save of step {step}",
@@ -215,6 +260,7 @@ class CheckpointManager:
             cleanup=lambda: self._abandon(request),
         )
         future.result()
+        self._exit_if_preemption_answered()
         return True
 
     def save_async(
@@ -230,10 +276,13 @@ class CheckpointManager:
         Returns True once the copy is taken and the write is queued: from then on the caller may
         change its tensors; the checkpoint holds the values of this call. Waits for a free slot
         when ``max_pending_async`` saves are in flight. A failed background write is raised as
-        ``CheckpointError`` by :meth:`join`, or else by the next save or :meth:`close`.
+        ``CheckpointError`` by :meth:`join`, or else by the next save or :meth:`close`. With
+        ``preemption.exit_after_save``, the preemption save is joined, then the manager closes
+        and raises ``SystemExit(128 + signal)``.
         """
         request = self._request(step, state_dict, force, metrics, metadata)
         if request is None:
+            self._exit_if_preemption_answered()
             return False
         try:
             buffers = self._staging.acquire(on_wait=f" (step {step})")
@@ -256,6 +305,7 @@ class CheckpointManager:
         self._writer.submit(
             f"async save of step {step}", lambda: self._write(request), cleanup=cleanup
         )
+        self._exit_if_preemption_answered()
         return True
 
     def _request(
@@ -347,11 +397,14 @@ class CheckpointManager:
                 self._committed = set(outcome.listed)
             self._committed.add(step)
             self._committed.difference_update(outcome.deleted)
-            if self._preemption_claimed == step:
+            answered_preemption = self._preemption_claimed == step
+            if answered_preemption:
                 self._preemption_reached = step
                 self._preemption_claimed = None
                 self._clear_preemption_notice()
         log.info("committed step %d", step)
+        if answered_preemption:
+            self._log_preemption_answered(step)
         if comm.is_coordinator and outcome.deleted:
             try:
                 pruning.delete_steps(self._storage, outcome.deleted)
@@ -438,8 +491,8 @@ class CheckpointManager:
         try:
             self._writer.shutdown()
         finally:
-            if self._signals is not None:
-                self._signals.close()
+            if self._preemption is not None:
+                self._preemption.close()
         self._writer.raise_first_error()
 
     def __enter__(self) -> CheckpointManager:

@@ -1,0 +1,118 @@
+"""Preemption notices through a real CheckpointManager: cloud metadata, a trigger file,
+``exit_after_save`` in a real child process, and retention protection of the preemption step."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from _metadata_server import FakeMetadataServer
+from conftest import run_python
+
+from ckptmgr import CheckpointManager, PreemptionConfig
+
+NOTICE_WAIT_S = 15.0
+POLL_S = 0.2
+QUIET = {"signals": [], "gce": False, "aws": False, "azure": False, "tpu": False}
+
+
+def _state(step: int) -> dict[str, object]:
+    return {"w": torch.full((8,), float(step)), "step": step}
+
+
+def _train_until_preempted(manager: CheckpointManager, first_step: int) -> int:
+    """Run steps (saving when told) until the manager reports the preemption step; bounded."""
+    deadline = time.monotonic() + NOTICE_WAIT_S
+    step = first_step
+    while time.monotonic() < deadline:
+        manager.save_async(step, _state(step))
+        if manager.reached_preemption(step):
+            return step
+        step += 1
+    raise AssertionError(f"no preemption checkpoint within {NOTICE_WAIT_S} s (last step {step})")
+
+
+@pytest.fixture
+def metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeMetadataServer]:
+    with FakeMetadataServer() as fake:
+        monkeypatch.setenv("GCE_METADATA_HOST", fake.address)
+        monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", fake.url)
+        yield fake
+
+
+@pytest.mark.parametrize("cloud", ["gce", "aws"])
+def test_a_cloud_notice_saves_the_next_step(
+    ckpt_dir: Path, metadata: FakeMetadataServer, cloud: str
+) -> None:
+    config = PreemptionConfig(**{**QUIET, cloud: True, "poll_interval_s": POLL_S})
+    with CheckpointManager(ckpt_dir, save_interval=10**6, preemption=config) as manager:
+        for step in range(1, 4):
+            assert not manager.save_async(step, _state(step))
+        if cloud == "gce":
+            metadata.set_gce("preempted", "TRUE")
+        else:
+            metadata.set_aws_action("terminate")
+        preempted = _train_until_preempted(manager, 4)
+        assert manager.all_steps() == [preempted]
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as reader:
+        restored = {"w": torch.zeros(8), "step": -1}
+        reader.restore(preempted, restored)
+    assert restored["step"] == preempted and torch.equal(restored["w"], _state(preempted)["w"])
+
+
+def test_a_trigger_file_saves_the_next_step_and_is_protected_from_retention(
+    ckpt_dir: Path, tmp_path: Path
+) -> None:
+    trigger = tmp_path / "preempt-now"
+    config = PreemptionConfig(**{**QUIET, "file": str(trigger), "poll_interval_s": POLL_S})
+    with CheckpointManager(
+        ckpt_dir, save_interval=10**6, max_to_keep=1, preemption=config
+    ) as manager:
+        manager.save(200, _state(200), force=True)
+        manager.save(300, _state(300), force=True)
+        trigger.touch()
+        # A rewind: the run goes on at step 150, where the notice arrives.
+        deadline = time.monotonic() + NOTICE_WAIT_S
+        while not manager.should_save(150):
+            assert time.monotonic() < deadline, "the trigger file was never noticed"
+        assert manager.save_async(150, _state(150))
+        assert manager.reached_preemption(150)
+        # KeepLatest(1) keeps 300; the preemption step is the most recently committed: kept.
+        assert manager.all_steps() == [150, 300]
+        reasons = {d.step: d.reasons for d in manager.explain_retention()}
+        assert reasons[150] == ["protected: the most recently committed step"]
+
+
+EXIT_CHILD = """
+import signal, sys
+import torch
+from ckptmgr import CheckpointManager, PreemptionConfig
+
+config = PreemptionConfig(signals=["SIGUSR1"], gce=False, aws=False, azure=False,
+                          exit_after_save=True)
+manager = CheckpointManager(sys.argv[1], save_interval=1000, preemption=config)
+for step in range(1, 100):
+    if step == 7:
+        signal.raise_signal(signal.SIGUSR1)  # a real signal to this process
+    manager.save_async(step, {"w": torch.full((4,), float(step))})
+    print(f"trained step {step}", flush=True)
+print("the manager did not exit", flush=True)
+sys.exit(3)
+"""
+
+
+def test_exit_after_save_exits_with_128_plus_the_signal_once_committed(ckpt_dir: Path) -> None:
+    result = run_python(EXIT_CHILD, str(ckpt_dir), timeout=120)
+    assert result.returncode == 128 + signal.SIGUSR1, result.stdout + result.stderr
+    assert "trained step 6" in result.stdout and "trained step 7" not in result.stdout
+    assert "preemption checkpoint of step 7 committed" in result.stderr
+    assert "after the notice (signal SIGUSR1)" in result.stderr
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as reader:
+        assert reader.all_steps() == [7]
+        restored = {"w": torch.zeros(4)}
+        reader.restore(7, restored)
+    assert torch.equal(restored["w"], torch.full((4,), 7.0))
