@@ -9,6 +9,7 @@ from ckptmgr._version import __version__
 from ckptmgr.config import CheckpointConfig
 from ckptmgr.errors import CheckpointError, StepNotFoundError
 from ckptmgr.manager import CheckpointManager
+from ckptmgr.module_state import OptimizerState
 from ckptmgr.optimizer import prime_optimizer
 from ckptmgr.preemption import (
     PreemptionConfig,
@@ -53,6 +54,7 @@ __all__ = [
     "KeepEveryNSteps",
     "KeepLatest",
     "KeepSteps",
+    "OptimizerState",
     "PerRank",
     "PreemptionConfig",
     "PreemptionMonitor",

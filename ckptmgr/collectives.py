@@ -30,9 +30,14 @@ class Collectives:
         self.world_size = dist.get_world_size(process_group)
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         timeout = _dt.timedelta(seconds=timeout_s)
-        # new_group is collective over the default group: every rank constructs the manager.
-        self.background_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-        self.control_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        # Only the group's own ranks take part (use_local_synchronization), so managers of
+        # disjoint subgroups can be created independently of each other.
+        self.background_group = dist.new_group(
+            ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+        )
+        self.control_group = dist.new_group(
+            ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+        )
 
     @property
     def is_coordinator(self) -> bool:

@@ -24,12 +24,11 @@ from ckptmgr.background import BackgroundWriter
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
 from ckptmgr.errors import CheckpointError, StepNotFoundError
-from ckptmgr.optimizer import prime_optimizer
 from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNotice
 from ckptmgr.record import CommitRecord, TensorEntry, utc_now
 from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
 from ckptmgr.staging import StagingPool
-from ckptmgr.state import flatten, optimizer_paths_needing_prime, plan_restore
+from ckptmgr.state import RestorePlan, flatten, plan_restore
 from ckptmgr.storage import CheckpointStorage, objects_file_name
 
 log = logging.getLogger("ckptmgr")
@@ -537,10 +536,12 @@ class CheckpointManager:
         """Load the checkpoint of ``step`` into ``state_dict`` in place.
 
         Tensors are filled in place; plain values are replaced in their dicts/lists; objects
-        with ``load_state_dict`` get it called. Optimizer objects with no state yet are primed
-        first (see :func:`prime_optimizer`). Raises :class:`StepNotFoundError` for a step that
-        is not committed and ``CheckpointError`` when ``state_dict`` has a key the checkpoint
-        lacks.
+        with ``load_state_dict`` get it called. Modules and optimizers are loaded with DCP's
+        ``set_model_state_dict``/``set_optimizer_state_dict``; an optimizer's missing state is
+        created first. Raises :class:`StepNotFoundError` for a step that is not committed and
+        ``CheckpointError`` when ``state_dict`` has a key the checkpoint lacks. Under
+        torch.distributed this is a collective, and it raises on every rank when the state of any
+        rank does not match the checkpoint.
         """
         self._check_open()
         step = _checked_step(step)
@@ -551,19 +552,34 @@ class CheckpointManager:
             raise StepNotFoundError(step, known)
         if not isinstance(state_dict, MutableMapping):
             raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__qualname__}")
-        record = self._storage.read_record(step)
-        for optimizer in optimizer_paths_needing_prime(state_dict, record.tensors):
-            prime_optimizer(optimizer)
-        own_objects = objects_file_name(self._comm.rank)
-        objects_name = own_objects if own_objects in record.object_files else objects_file_name(0)
-        saved_objects = self._storage.read_objects(step, objects_name)
-        plan = plan_restore(state_dict, record.tensors.keys(), saved_objects, self._comm.rank)
+        group = self._comm.background_group if self._comm.distributed else None
+        plan: RestorePlan | None = None
+        plan_error: Exception | None = None
+        try:
+            record = self._storage.read_record(step)
+            own_objects = objects_file_name(self._comm.rank)
+            objects_rank = self._comm.rank if own_objects in record.object_files else 0
+            saved_objects = self._storage.read_objects(step, objects_file_name(objects_rank))
+            plan = plan_restore(
+                state_dict, record.tensors, saved_objects, self._comm.rank, objects_rank
+            )
+        except Exception as exc:
+            plan_error = exc
+        # DCP's load is collective: every rank learns first whether any rank could not match its
+        # state against the checkpoint, so that such a rank never leaves the others waiting.
+        failures = self._comm.all_gather(_describe(plan_error), group)
+        if plan_error is not None:
+            raise plan_error
+        failed = {rank: text for rank, text in enumerate(failures) if text is not None}
+        if failed:
+            described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
+            raise CheckpointError(f"restore of step {step} failed on another rank: {described}")
+        assert plan is not None
         reader = dcp_io.make_reader(
             self._storage.url_for(self._storage.step_path(step)),
             local=self._storage.is_local,
             storage_options=self._storage.storage_options,
         )
-        group = self._comm.background_group if self._comm.distributed else None
         try:
             if plan.tensors:
                 dcp_io.load_tensors(plan.tensors, reader, group)

@@ -9,7 +9,9 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Create the optimizer's per-parameter state by taking one step with zero gradients.
 
     Optimizers such as Adam/AdamW create their state (``step``, ``exp_avg``, ...) on the first
-    ``step()``. An in-place restore needs those tensors to exist. Call this before ``restore``.
+    ``step()``. An in-place restore needs those tensors to exist. Call this before ``restore``
+    when you restore into a plain ``optimizer.state_dict()``; ``restore`` creates the state of
+    ``Optimizer`` objects itself.
 
     Destructive: the step updates parameters (weight decay, momentum) and the state, so prime only
     an optimizer whose parameters and state are about to be overwritten by a restore. Gradients
@@ -22,3 +24,35 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return optimizer
+
+
+def create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the lazily built per-parameter state of an optimizer that has none yet.
+
+    Takes one step with zero gradients and every learning rate set to 0, as
+    ``torch.distributed.checkpoint.state_dict`` does, so that standard optimizers leave the
+    parameters unchanged; the learning rates and any existing gradients are put back afterwards.
+    The state it creates is meant to be overwritten by a restore. Does nothing when the optimizer
+    already has state.
+    """
+    if optimizer.state:
+        return
+    grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    rates: list[tuple[dict, object]] = []
+    try:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad:
+                    grads.append((param, param.grad))
+                    param.grad = torch.zeros_like(param)
+            if "lr" in group:
+                rates.append((group, group["lr"]))
+                lr = group["lr"]
+                group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        with torch.no_grad():
+            optimizer.step()
+    finally:
+        for group, lr in rates:
+            group["lr"] = lr
+        for param, grad in grads:
+            param.grad = grad

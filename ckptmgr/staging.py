@@ -36,8 +36,9 @@ class StagingBuffers:
     def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` into the buffers and return the copies, keyed like ``tensors``.
 
-        The copies are plain contiguous CPU tensors (DTensors are re-wrapped around a staged
-        local shard). When this returns, the caller may modify the originals freely.
+        The copies are plain contiguous CPU tensors. A DTensor's local shard is copied (never the
+        global tensor) and re-wrapped as a DTensor with the same mesh and placements, whose local
+        tensor stays in host memory. When this returns, the caller may modify the originals freely.
         """
         if self._buffers.keys() - tensors.keys():
             self._buffers = {k: v for k, v in self._buffers.items() if k in tensors}
@@ -73,15 +74,13 @@ class StagingBuffers:
 
     @staticmethod
     def _rewrap(original: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        """``buffer`` (a staged local shard) as a DTensor laid out like ``original``.
+
+        Built from ``original``'s spec (mesh, placements, global shape and stride), not with
+        ``DTensor.from_local``, which would move a host buffer back to the mesh's device (CUDA).
+        """
         if DTensor is not None and isinstance(original, DTensor):
-            return DTensor.from_local(
-                buffer,
-                device_mesh=original.device_mesh,
-                placements=original.placements,
-                run_check=False,
-                shape=original.shape,
-                stride=original.stride(),
-            )
+            return DTensor(buffer, original._spec, requires_grad=False)
         return buffer
 
 

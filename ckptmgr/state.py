@@ -2,8 +2,11 @@
 
 A state is a dict whose values may be tensors, objects with ``state_dict()``/``load_state_dict()``,
 and nested dicts/lists/tuples of those and of plain values. Every leaf gets a path such as
-``"model/fc1.weight"`` or ``"optim/state/0/exp_avg"``. A container that holds no tensor is stored
-whole as one plain value.
+``"model/fc1.weight"`` or ``"optim/state/fc1.weight/exp_avg"``. A container that holds no tensor
+(and no object with a state dict) is stored whole as one plain value.
+
+Modules and optimizers are saved through DCP's state-dict API (see :mod:`ckptmgr.module_state`):
+their keys are parameter names, and an FSDP2 or tensor-parallel model contributes DTensors.
 
 Plain tensors follow DCP's rule: the same path on every rank holds the same (replicated) values
 and is written once. Tensors under :class:`~ckptmgr.PerRank` differ between ranks: they are
@@ -13,6 +16,7 @@ because ``%`` in keys is escaped.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +25,10 @@ import torch
 
 from ckptmgr import objects
 from ckptmgr.errors import CheckpointError
+from ckptmgr.module_state import TrainingObjects
 from ckptmgr.stateful import PerRank, is_stateful
+
+_PRIVATE = re.compile(r"%rank(\d{5,})%/(.*)", re.DOTALL)
 
 
 def join_path(parent: str, key: object) -> str:
@@ -46,56 +53,61 @@ def rank_private_name(path: str, rank: int) -> str:
 def flatten(state: Mapping[str, Any], rank: int = 0) -> FlatState:
     """Split ``state`` into tensors (by stored name) and encoded plain values (by path).
 
-    The plain values are encoded copies; the tensors are the caller's own objects.
+    The plain values are encoded copies; the tensors are the caller's own objects (for modules
+    and optimizers, the tensors DCP's state-dict API returns: their parameters and state).
     """
     if not isinstance(state, Mapping):
         raise CheckpointError(f"state_dict must be a dict, got {type(state).__qualname__}")
-    flat = FlatState()
+    flattener = _Flattener(TrainingObjects(state), rank)
     for key, value in state.items():
-        _flatten_value(value, join_path("", key), flat, rank, private=False)
-    return flat
+        flattener.visit(value, join_path("", key), private=False)
+    return flattener.flat
 
 
-def _flatten_value(value: Any, path: str, flat: FlatState, rank: int, private: bool) -> None:
-    if isinstance(value, torch.Tensor):
-        name = rank_private_name(path, rank) if private else path
-        _claim(name, flat)
-        flat.tensors[name] = value
-        return
-    if isinstance(value, PerRank):
-        _flatten_value(value.value, path, flat, rank, private=True)
-        return
-    if is_stateful(value):
-        value = value.state_dict()
-    if isinstance(value, (dict, list, tuple)) and _contains_tensor(value):
-        for key, item in _items(value):
-            _flatten_value(item, join_path(path, key), flat, rank, private)
-        return
-    _claim(path, flat)
-    flat.objects[path] = objects.encode(value, path)
+class _Flattener:
+    def __init__(self, training: TrainingObjects, rank: int) -> None:
+        self.training = training
+        self.rank = rank
+        self.flat = FlatState()
 
+    def visit(self, value: Any, path: str, private: bool) -> None:
+        if isinstance(value, torch.Tensor):
+            name = rank_private_name(path, self.rank) if private else path
+            self._claim(name)
+            self.flat.tensors[name] = value
+            return
+        if isinstance(value, PerRank):
+            self.visit(value.value, path, private=True)
+            return
+        value = self.training.adapt(value)
+        if is_stateful(value):
+            value = value.state_dict()
+        if isinstance(value, (dict, list, tuple)) and _needs_walk(value):
+            for key, item in _items(value):
+                self.visit(item, join_path(path, key), private)
+            return
+        self._claim(path)
+        self.flat.objects[path] = objects.encode(value, path)
 
-def _claim(path: str, flat: FlatState) -> None:
-    if path in flat.tensors or path in flat.objects:
-        raise CheckpointError(
-            f"two entries of the state map to the same path {path!r} "
-            "(keys like 3 and '3' in one dict)"
-        )
+    def _claim(self, path: str) -> None:
+        if path in self.flat.tensors or path in self.flat.objects:
+            raise CheckpointError(
+                f"two entries of the state map to the same path {path!r} "
+                "(keys like 3 and '3' in one dict)"
+            )
 
 
 def _items(container: dict | list | tuple) -> Iterable[tuple[object, Any]]:
     return container.items() if isinstance(container, dict) else enumerate(container)
 
 
-def _contains_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
+def _needs_walk(value: Any) -> bool:
+    """True if ``value`` holds a tensor, a ``PerRank`` or an object with a state dict, so that
+    its items need paths of their own (otherwise it is stored whole as one plain value)."""
+    if isinstance(value, (torch.Tensor, PerRank)) or is_stateful(value):
         return True
-    if isinstance(value, PerRank):
-        return _contains_tensor(value.value)
-    if is_stateful(value):
-        return _contains_tensor(value.state_dict())
     if isinstance(value, (dict, list, tuple)):
-        return any(_contains_tensor(item) for _, item in _items(value))
+        return any(_needs_walk(item) for _, item in _items(value))
     return False
 
 
@@ -118,55 +130,130 @@ def plan_restore(
     saved_tensors: Iterable[str],
     saved_objects: Mapping[str, Any],
     rank: int = 0,
+    objects_rank: int | None = None,
 ) -> RestorePlan:
     """Match ``state`` against a checkpoint's stored tensor names and plain values.
 
-    Per-rank tensors load this rank's copy, or rank 0's when the checkpoint has none for this
-    rank (a job restarted with more ranks, or one process reading a multi-rank checkpoint).
-    Raises ``CheckpointError`` naming the first key of ``state`` the checkpoint lacks, and a
-    specific error when the checkpoint holds tensors under a path where ``state`` has none (the
-    signature of an optimizer whose lazily created state does not exist yet).
+    ``saved_objects`` are the plain values of ``objects_rank`` (default: ``rank``); a rank whose
+    own file is missing (a job restarted with more ranks) reads rank 0's. Plain values are
+    restored from it, but per-rank state (under :class:`~ckptmgr.PerRank`) only from this rank's
+    own copy: a missing copy raises ``CheckpointError``. Raises ``CheckpointError`` naming the
+    first key of ``state`` the checkpoint lacks, and a specific error when the checkpoint holds
+    tensors under a path where ``state`` has none (the signature of an optimizer state dict whose
+    lazily created state does not exist yet).
+
+    Modules and optimizers are restored through DCP's state-dict API. An optimizer's missing state
+    is created first; a plain ``optimizer.state_dict()`` (keyed by position) restores from a
+    checkpoint of an ``Optimizer`` object (keyed by parameter name) too.
     """
     if not isinstance(state, MutableMapping):
         raise CheckpointError(f"state_dict must be a dict, got {type(state).__qualname__}")
-    planner = _RestorePlanner(set(saved_tensors), saved_objects, rank)
+    objects_rank = rank if objects_rank is None else objects_rank
+    planner = _RestorePlanner(
+        TrainingObjects(state), set(saved_tensors), saved_objects, rank, objects_rank
+    )
     for key in list(state):
         planner.visit_child(state, key, join_path("", key), private=False)
     # Finishers were appended in post-order: inner containers first, owners' load_state_dict last.
     return planner.plan
 
 
+def _ancestors(names: Iterable[str]) -> set[str]:
+    """Every stored name and every path above one (``a/b/c`` -> ``a/b/c``, ``a/b``, ``a``)."""
+    found: set[str] = set()
+    for name in names:
+        while name and name not in found:
+            found.add(name)
+            name = name.rpartition("/")[0]
+    return found
+
+
+class _Saved:
+    """What the checkpoint holds under one object's path (see ``module_state.SavedEntries``)."""
+
+    def __init__(self, planner: _RestorePlanner, path: str, private: bool) -> None:
+        self.planner = planner
+        self.path = path
+        self.private = private
+
+    def _path(self, keys: tuple[object, ...]) -> str:
+        path = self.path
+        for key in keys:
+            path = join_path(path, key)
+        return path
+
+    def _plain(self, keys: tuple[object, ...]) -> tuple[bool, Any]:
+        """(found, value) of the plain value at ``keys``, also inside a container that was
+        stored whole as one plain value higher up."""
+        saved_objects = self.planner.saved_objects
+        for depth in range(len(keys), -1, -1):
+            path = self._path(keys[:depth])
+            if path in saved_objects:
+                value = objects.decode(saved_objects[path])
+                for key in keys[depth:]:
+                    if isinstance(value, dict) and key in value:
+                        value = value[key]
+                    elif isinstance(value, (list, tuple)) and isinstance(key, int):
+                        if not -len(value) <= key < len(value):
+                            return False, None
+                        value = value[key]
+                    else:
+                        return False, None
+                return True, value
+        return False, None
+
+    def has(self, *keys: object) -> bool:
+        path = self._path(keys)
+        stored = self.planner.stored_names(path, self.private)
+        if any(name in self.planner.tensor_paths for name in stored):
+            return True
+        return path in self.planner.object_paths or self._plain(keys)[0]
+
+    def plain(self, *keys: object) -> Any:
+        return self._plain(keys)[1]
+
+
 class _RestorePlanner:
     def __init__(
-        self, saved_tensors: set[str], saved_objects: Mapping[str, Any], rank: int
+        self,
+        training: TrainingObjects,
+        saved_tensors: set[str],
+        saved_objects: Mapping[str, Any],
+        rank: int,
+        objects_rank: int,
     ) -> None:
+        self.training = training
         self.saved_tensors = saved_tensors
         self.saved_objects = saved_objects
+        self.tensor_paths = _ancestors(saved_tensors)
+        self.object_paths = _ancestors(saved_objects)
         self.rank = rank
+        self.objects_rank = objects_rank
         self.plan = RestorePlan()
 
     def stored_names(self, path: str, private: bool) -> list[str]:
-        """Names ``path`` may be stored under, preferred first."""
-        if not private:
-            return [path]
-        return [rank_private_name(path, self.rank), rank_private_name(path, 0)]
+        """The name ``path`` is stored under (a rank-private name under ``PerRank``)."""
+        return [rank_private_name(path, self.rank) if private else path]
 
     def visit_child(self, container: Any, key: Any, path: str, private: bool) -> None:
         value = container[key]
         if isinstance(value, torch.Tensor):
-            name = next(
-                (n for n in self.stored_names(path, private) if n in self.saved_tensors), None
-            )
-            if name is None:
-                raise self._missing(path)
+            (name,) = self.stored_names(path, private)
+            if name not in self.saved_tensors:
+                raise self._missing(path, private)
             self.plan.tensors[name] = value
             return
         if isinstance(value, PerRank):
             self.visit_child(value.__dict__, "value", path, private=True)
             return
+        value = self.training.adapt(value)
         if is_stateful(value):
             owner = value
-            holder = {"state": owner.state_dict()}
+            template = getattr(owner, "restore_template", None)
+            if template is not None:
+                holder = {"state": template(_Saved(self, path, private))}
+            else:
+                holder = {"state": owner.state_dict()}
             self._visit_container_or_leaf(holder, "state", path, private)
             self.plan.finishers.append(lambda: owner.load_state_dict(holder["state"]))
             return
@@ -174,7 +261,9 @@ class _RestorePlanner:
 
     def _visit_container_or_leaf(self, container: Any, key: Any, path: str, private: bool) -> None:
         value = container[key]
-        if isinstance(value, (dict, list, tuple)) and _contains_tensor(value):
+        if isinstance(value, dict) and self._visit_positional_optimizer(value, path, private):
+            return
+        if isinstance(value, (dict, list, tuple)) and _needs_walk(value):
             if isinstance(value, tuple):
                 items = list(value)
                 for index in range(len(items)):
@@ -185,30 +274,99 @@ class _RestorePlanner:
                     self.visit_child(value, child_key, join_path(path, child_key), private)
             return
         if path in self.saved_objects:
+            if private and self.objects_rank != self.rank:
+                raise self._missing(path, private)
             decoded = objects.decode(self.saved_objects[path])
             self.plan.finishers.append(lambda: _set(container, key, decoded))
             return
-        names = self.stored_names(path, private)
-        if any(name in self.saved_tensors for name in names):
+        (name,) = self.stored_names(path, private)
+        if name in self.saved_tensors:
             raise CheckpointError(
                 f"the checkpoint holds a tensor at {path!r} but the state to restore has a "
                 f"{type(value).__qualname__} there"
             )
-        prefixes = tuple(name + "/" for name in names)
-        if any(name.startswith(prefixes) for name in self.saved_tensors):
+        if name in self.tensor_paths:
             raise CheckpointError(
                 f"the checkpoint holds tensors under {path!r} but the state to restore has none "
                 "there. If this is an optimizer's state_dict(), its state is created lazily: call "
                 "ckptmgr.prime_optimizer(optimizer) before restore, or pass the Optimizer object "
-                "itself so that ckptmgr primes it"
+                "itself so that ckptmgr creates it"
             )
-        raise self._missing(path)
+        raise self._missing(path, private)
 
-    @staticmethod
-    def _missing(path: str) -> CheckpointError:
+    def _visit_positional_optimizer(self, target: dict, path: str, private: bool) -> bool:
+        """Restore a plain ``optimizer.state_dict()`` (state keyed by parameter position) from a
+        checkpoint of an ``Optimizer`` object (keyed by parameter name). False if not that case.
+
+        Position ``i`` of the target's parameter groups is the parameter named at position ``i``
+        of the saved groups: both list the optimizer's parameters in its own order.
+        """
+        saved = _Saved(self, path, private)
+        saved_groups = saved.plain("param_groups")
+        groups = target.get("param_groups")
+        if not (
+            isinstance(groups, list)
+            and isinstance(target.get("state"), dict)
+            and isinstance(saved_groups, list)
+            and _group_params(groups, int)
+            and _group_params(saved_groups, str)
+        ):
+            return False
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in saved_groups]:
+            raise CheckpointError(
+                f"the optimizer at {path!r} has parameter groups of sizes "
+                f"{[len(g['params']) for g in groups]}, the checkpoint "
+                f"{[len(g['params']) for g in saved_groups]}"
+            )
+        name_of = {
+            index: name
+            for group, saved_group in zip(groups, saved_groups, strict=True)
+            for index, name in zip(group["params"], saved_group["params"], strict=True)
+        }
+        state_path = join_path(path, "state")
+        target_state = target["state"]
+        if not target_state and saved.has("state") and saved.plain("state") != {}:
+            self._visit_container_or_leaf(target, "state", state_path, private)  # raises
+        for index in list(target_state):
+            if index not in name_of:
+                raise self._missing(join_path(state_path, index), private)
+            self.visit_child(target_state, index, join_path(state_path, name_of[index]), private)
+        restored = [
+            {**saved_group, "params": list(group["params"])}
+            for group, saved_group in zip(groups, saved_groups, strict=True)
+        ]
+        self.plan.finishers.append(lambda: _set(target, "param_groups", restored))
+        return True
+
+    def _missing(self, path: str, private: bool) -> CheckpointError:
+        if private:
+            ranks = sorted(
+                int(match.group(1))
+                for name in self.saved_tensors
+                if (match := _PRIVATE.fullmatch(name))
+                and (match.group(2) == path or match.group(2).startswith(path + "/"))
+            )
+            held = f"copies for ranks {sorted(set(ranks))}" if ranks else "no tensor copies"
+            if not ranks and self.objects_rank != self.rank:
+                held = f"plain values of rank {self.objects_rank} only"
+            return CheckpointError(
+                f"per-rank state {path!r} has no copy for rank {self.rank} in the checkpoint "
+                f"({held}; it was probably written by fewer ranks). Per-rank state is restored "
+                "only on the ranks that saved it: leave it out of the state to restore on the "
+                "other ranks"
+            )
         return CheckpointError(
             f"key {path!r} of the state to restore is missing from the checkpoint"
         )
+
+
+def _group_params(groups: list, kind: type) -> bool:
+    """True if every group is a dict whose params are all of type ``kind`` (and some exist)."""
+    params = [g.get("params") if isinstance(g, dict) else None for g in groups]
+    if not all(isinstance(p, list) for p in params):
+        return False
+    flat = [p for group in params for p in group]  # type: ignore[union-attr]
+    return bool(flat) and all(isinstance(p, kind) and not isinstance(p, bool) for p in flat)
 
 
 def _keys(container: dict | list) -> Iterable[Any]:
@@ -222,20 +380,8 @@ def _set(container: Any, key: Any, value: Any) -> None:
 def optimizer_paths_needing_prime(
     state: Mapping[str, Any], saved_tensors: Iterable[str]
 ) -> list[torch.optim.Optimizer]:
-    """Optimizers in ``state`` whose state is empty while the checkpoint has state for them."""
-    saved = list(saved_tensors)
-    found: list[torch.optim.Optimizer] = []
-
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, torch.optim.Optimizer):
-            prefix = join_path(path, "state") + "/"
-            if not value.state and any(name.startswith(prefix) for name in saved):
-                found.append(value)
-            return
-        if isinstance(value, (dict, list, tuple)):
-            for key, item in _items(value):
-                walk(item, join_path(path, key))
-
-    for key, value in state.items():
-        walk(value, join_path("", key))
-    return found
+    """Always empty: ``restore`` creates the state of ``Optimizer`` objects itself (see
+    :meth:`ckptmgr.module_state.OptimizerState.restore_template`), without the destructive
+    step of :func:`~ckptmgr.prime_optimizer`. Kept for callers of the earlier API."""
+    del state, saved_tensors
+    return []

@@ -39,8 +39,9 @@ class PerRank:
 
         state = {"model": model, "local": PerRank({"seen": seen_counts})}
 
-    Plain values (ints, strings, ...) are always per rank and need no wrapper. On restore a rank
-    gets its own copy, or rank 0's when the checkpoint was written by fewer ranks.
+    Plain values (ints, strings, ...) are always per rank and need no wrapper; a rank that did not
+    exist when the checkpoint was written gets rank 0's. Under ``PerRank`` they, like the tensors,
+    restore only on the ranks that saved them: elsewhere ``restore`` raises ``CheckpointError``.
     """
 
     def __init__(self, value: Any) -> None:

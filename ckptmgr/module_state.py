@@ -1,0 +1,253 @@
+"""Modules and optimizers, saved through ``torch.distributed.checkpoint.state_dict``.
+
+When a state holds an ``nn.Module`` or a ``torch.optim.Optimizer`` object, ckptmgr does not call
+its own ``state_dict()``. It uses DCP's state-dict API instead:
+
+- a module is saved with ``get_model_state_dict``: keys are fully qualified parameter names
+  (``DistributedDataParallel``'s ``module.`` and ``torch.compile``'s ``_orig_mod.`` prefixes
+  removed), and the tensors of an FSDP2 or tensor-parallel model are its DTensor shards;
+- an optimizer is saved with ``get_optimizer_state_dict``: its per-parameter state is keyed by
+  the same parameter names (``optim/state/0.weight/exp_avg``) instead of by the parameter's
+  position in the optimizer, so it can be resharded, and restored into a differently wrapped
+  model. This needs the optimizer's module, which is looked up in the same state.
+
+Both are restored with ``set_model_state_dict`` / ``set_optimizer_state_dict``. Checkpoints with
+an optimizer keyed by position (from ``optimizer.state_dict()``) are still restored into
+``Optimizer`` objects, and an optimizer saved before its first step is saved without state and
+left unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ckptmgr.errors import CheckpointError
+from ckptmgr.optimizer import create_state
+from ckptmgr.stateful import PerRank
+
+try:  # maps a parameter name to the name DCP uses (DDP/compile prefixes removed); torch >= 2.2
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+except ImportError:  # pragma: no cover - a torch that moved it: use the names as they are
+    _get_fqns = None
+
+# ``strict`` only makes get_model_state_dict reject a module without state (nn.ReLU()).
+_GET_OPTIONS = StateDictOptions(strict=False)
+
+
+class SavedEntries(Protocol):
+    """What a checkpoint holds under one object's path (given to :meth:`restore_template`)."""
+
+    def has(self, *keys: object) -> bool:
+        """True if the checkpoint holds a tensor or plain value at or below these keys."""
+        ...
+
+    def plain(self, *keys: object) -> Any:
+        """The plain value stored whole at these keys, or None."""
+        ...
+
+
+class ModelState:
+    """An ``nn.Module`` saved with ``get_model_state_dict`` and restored with
+    ``set_model_state_dict``. Its keys are the parameters' fully qualified names."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        """The module's state dict; DTensor shards for FSDP2 and tensor-parallel modules."""
+        return get_model_state_dict(self.module, options=_GET_OPTIONS)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict`` (strictly: every key of the module must be present)."""
+        set_model_state_dict(
+            self.module, state_dict, options=StateDictOptions(strict=bool(state_dict))
+        )
+
+
+class OptimizerState:
+    """An optimizer saved with ``get_optimizer_state_dict`` (per-parameter state keyed by the
+    parameters' names in ``model``) and restored with ``set_optimizer_state_dict``.
+
+    Put one in the state yourself, ``{"optim": OptimizerState(model, optimizer)}``, when
+    ckptmgr cannot tell which module of the state an optimizer belongs to.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {name: {...}}, "param_groups": [{..., "params": [name, ...]}]}``.
+
+        An optimizer without state (before its first step) is not changed: DCP would create the
+        state by taking a step; ckptmgr saves the parameter groups and an empty state instead.
+        """
+        if self.optimizer.state:
+            return get_optimizer_state_dict(self.model, self.optimizer, options=_GET_OPTIONS)
+        groups = self.optimizer.state_dict()["param_groups"]
+        names = self._names()
+        for group in groups:
+            group["params"] = [names[index] for index in group["params"]]
+        return {"state": {}, "param_groups": groups}
+
+    def restore_template(self, saved: SavedEntries) -> dict[str, Any]:
+        """The state dict to load ``saved`` into: the optimizer's own tensors, for exactly the
+        parameters the checkpoint holds state for (creating the state first if needed)."""
+        if _keyed_by_position(saved):  # written from optimizer.state_dict() (older ckptmgr)
+            positions = range(sum(len(g["params"]) for g in self.optimizer.param_groups))
+            stored: set[Any] = {index for index in positions if saved.has("state", index)}
+            if stored:
+                create_state(self.optimizer)
+            template = self.optimizer.state_dict()
+        else:
+            stored = {name for name in self._names() if saved.has("state", name)}
+            if stored:
+                create_state(self.optimizer)
+            template = self.state_dict()
+        template["state"] = {k: v for k, v in template["state"].items() if k in stored}
+        return template
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict keyed by parameter name (or, from older checkpoints, by position).
+
+        Parameters without saved state end up without state, as they were when saved.
+        """
+        groups = state_dict.get("param_groups", [])
+        if any(isinstance(p, int) for group in groups for p in group.get("params", [])):
+            self.optimizer.load_state_dict(state_dict)
+        elif state_dict.get("state"):
+            set_optimizer_state_dict(
+                self.model, self.optimizer, state_dict, options=StateDictOptions(strict=False)
+            )
+        else:  # nothing per parameter: set the groups and drop any state; no step is taken
+            position = {name: index for index, name in enumerate(self._names())}
+            unknown = [p for group in groups for p in group["params"] if p not in position]
+            if unknown:
+                raise CheckpointError(
+                    f"the checkpoint's optimizer holds parameters {unknown[:5]} that this "
+                    "optimizer does not have"
+                )
+            by_position = [
+                {**group, "params": [position[p] for p in group["params"]]} for group in groups
+            ]
+            self.optimizer.load_state_dict({"state": {}, "param_groups": by_position})
+
+    def _names(self) -> list[str]:
+        """The name of every parameter of the optimizer, in the optimizer's order."""
+        names: dict[int, str] = {}
+        for name, param in self.model.named_parameters():
+            names.setdefault(id(param), _canonical_name(self.model, name))
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        missing = [index for index, p in enumerate(params) if id(p) not in names]
+        if missing:
+            raise CheckpointError(
+                f"parameters {missing[:5]} of the optimizer are not parameters of the module "
+                f"{type(self.model).__qualname__} it was paired with"
+            )
+        return [names[id(p)] for p in params]
+
+
+def _canonical_name(model: nn.Module, name: str) -> str:
+    if _get_fqns is None:  # pragma: no cover
+        return name
+    return next(iter(_get_fqns(model, name)))
+
+
+def _keyed_by_position(saved: SavedEntries) -> bool:
+    groups = saved.plain("param_groups")
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+        first = groups[0].get("params")
+    else:  # param_groups holding a tensor (a tensor learning rate) are stored item by item
+        first = saved.plain("param_groups", 0, "params")
+    return isinstance(first, list) and any(isinstance(p, int) for p in first)
+
+
+class TrainingObjects:
+    """Finds the module of each optimizer in a state, and wraps modules and optimizers.
+
+    An optimizer belongs to the module of the state that holds all of its parameters. When
+    several do, the outermost wins (a model and one of its submodules); two unrelated modules
+    holding all of them are ambiguous.
+    """
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self._modules: dict[int, tuple[str, nn.Module]] = {}
+        self._param_ids: dict[int, set[int]] = {}
+        for path, module in _modules_in(state, ""):
+            self._modules.setdefault(id(module), (path, module))
+
+    def adapt(self, value: Any) -> Any:
+        """A ``ModelState``/``OptimizerState`` for a module/optimizer; other values unchanged."""
+        if isinstance(value, nn.Module):
+            return ModelState(value)
+        if isinstance(value, torch.optim.Optimizer):
+            return OptimizerState(self.module_for(value), value)
+        return value
+
+    def module_for(self, optimizer: torch.optim.Optimizer) -> nn.Module:
+        """The module of the state whose parameters include all of ``optimizer``'s."""
+        wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        holders = [
+            (path, module)
+            for path, module in self._modules.values()
+            if wanted <= self._params_of(module)
+        ]
+        outermost = [
+            (path, module)
+            for path, module in holders
+            if not any(other is not module and _is_submodule(module, other) for _, other in holders)
+        ]
+        if len(outermost) == 1:
+            return outermost[0][1]
+        advice = (
+            "ckptmgr saves an optimizer's state keyed by parameter names, which it takes from "
+            "the module it optimizes. Put that module in the state (e.g. {'model': model, "
+            "'optim': optimizer}), wrap the optimizer as "
+            "ckptmgr.OptimizerState(model, optimizer), or save "
+            "optimizer.state_dict() to key it by parameter position"
+        )
+        if not outermost:
+            raise CheckpointError(
+                f"no module in the state holds all parameters of the optimizer "
+                f"{type(optimizer).__qualname__}. {advice}"
+            )
+        paths = ", ".join(repr(path) for path, _ in outermost)
+        raise CheckpointError(
+            f"several modules in the state ({paths}) hold all parameters of the optimizer "
+            f"{type(optimizer).__qualname__}; it is ambiguous which one it belongs to. {advice}"
+        )
+
+    def _params_of(self, module: nn.Module) -> set[int]:
+        ids = self._param_ids.get(id(module))
+        if ids is None:
+            ids = {id(p) for p in module.parameters()}
+            self._param_ids[id(module)] = ids
+        return ids
+
+
+def _is_submodule(inner: nn.Module, outer: nn.Module) -> bool:
+    return any(module is inner for module in outer.modules())
+
+
+def _modules_in(value: Any, path: str) -> Iterator[tuple[str, nn.Module]]:
+    if isinstance(value, nn.Module):
+        yield path, value
+    elif isinstance(value, PerRank):
+        yield from _modules_in(value.value, path)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _modules_in(item, f"{path}/{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _modules_in(item, f"{path}/{index}" if path else str(index))
