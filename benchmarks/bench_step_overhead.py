@@ -8,6 +8,7 @@ Each rank times, in one run and interleaved in rounds:
   agreement costs at least);
 * ``preemption on``: ``should_save(step)`` with ``chkpt_on_preemption=True`` (the default):
   one 2-element all_reduce that agrees on the preemption flag and rank 0's save decision;
+* ``agree every 10``: the same with ``PreemptionConfig(agree_every_n_steps=10)`` (amortised);
 * ``preemption off``: ``should_save(step)`` with only ``save_interval``: no collective at all.
 
 Rank 0 prints the median microseconds per call and the ratio to the baseline.
@@ -54,15 +55,29 @@ def _worker(rank: int, world_size: int, port: int, steps: int, root: str) -> Non
     group = dist.new_group(backend="gloo")
     flag = torch.zeros(1, dtype=torch.int32)
     on = CheckpointManager(f"{root}/on", save_interval=10**9, chkpt_on_preemption=True)
+    from ckptmgr import PreemptionConfig
+
+    amortised = CheckpointManager(
+        f"{root}/every10",
+        save_interval=10**9,
+        preemption=PreemptionConfig(agree_every_n_steps=10),
+    )
     off = CheckpointManager(f"{root}/off", save_interval=10**9, chkpt_on_preemption=False)
-    results: dict[str, list[float]] = {"baseline": [], "preemption on": [], "preemption off": []}
+    results: dict[str, list[float]] = {
+        "baseline": [],
+        "preemption on": [],
+        "agree every 10": [],
+        "preemption off": [],
+    }
     for _ in range(ROUNDS):
         results["baseline"].append(
             _per_call_us(lambda _s: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group), steps)
         )
         results["preemption on"].append(_per_call_us(on.should_save, steps))
+        results["agree every 10"].append(_per_call_us(amortised.should_save, steps))
         results["preemption off"].append(_per_call_us(off.should_save, steps))
     on.close()
+    amortised.close()
     off.close()
     if rank == 0:
         baseline = statistics.median(results["baseline"])

@@ -138,6 +138,7 @@ class CheckpointManager:
         self._preemption = (
             PreemptionMonitor(config.preemption) if config.chkpt_on_preemption else None
         )
+        self._decisions = 0  # save decisions taken, the same count on every rank
         self._answered_notice: PreemptionNotice | None = None  # its exit_code for exit_after_save
         self._closed = False
         log.info("checkpoints at %s: committed steps %s", config.path, sorted(self._committed))
@@ -193,6 +194,10 @@ class CheckpointManager:
         scheduled = self._schedule.wants(step, time.monotonic())
         if self._preemption is None and not self._schedule_needs_agreement:
             return False, scheduled  # every rank computes the same answer: no collective
+        self._decisions += 1
+        if self._comm.distributed and self._decisions % self.config.preemption.agree_every_n_steps:
+            # Amortised: no collective at this decision; rank-dependent policies wait for one.
+            return False, scheduled and not self._schedule_needs_agreement
         return self._comm.agree(notice, scheduled)
 
     def _log_preemption_answered(self, step: int) -> None:

@@ -93,6 +93,13 @@ class PreemptionConfig(BaseModel):
         strict=True,
         description="Exit with 128+signal once the preemption checkpoint is committed.",
     )
+    agree_every_n_steps: int = Field(
+        default=1,
+        strict=True,
+        ge=1,
+        description="Under torch.distributed, combine notices across ranks at every Nth decision "
+        "only (amortises the all_reduce; the preemption save may come up to N-1 steps later).",
+    )
 
     @field_validator("signals")
     @classmethod

@@ -420,10 +420,14 @@ def scenario_preempt(rank: int, ckpt_dir: str, out_dir: str) -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from ckptmgr import CheckpointManager
+    from ckptmgr import CheckpointManager, PreemptionConfig
 
+    agree_every = int(os.environ.get("CKPTMGR_TEST_AGREE_EVERY", "1"))
     manager = CheckpointManager(
-        ckpt_dir, save_interval=10**9, collective_timeout_s=COLLECTIVE_TIMEOUT_S
+        ckpt_dir,
+        save_interval=10**9,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        preemption=PreemptionConfig(agree_every_n_steps=agree_every),
     )
     state = make_state(0, rank)
     record: dict[str, Any] = {"saved_steps": [], "reached_step": None}

@@ -375,10 +375,14 @@ def _sigterm_rank1_once_it_trains(out_dir: Path) -> Callable[[], None]:
     return send
 
 
-def test_sigterm_to_one_rank_saves_one_agreed_step_on_all_ranks(dirs: dict[str, Path]) -> None:
-    out_dir = dirs["out"].parent / "preempt-out"
+@pytest.mark.parametrize("agree_every", [1, 4])
+def test_sigterm_to_one_rank_saves_one_agreed_step_on_all_ranks(
+    dirs: dict[str, Path], agree_every: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CKPTMGR_TEST_AGREE_EVERY", str(agree_every))
+    out_dir = dirs["out"].parent / f"preempt-out-{agree_every}"
     out_dir.mkdir()
-    ckpt = dirs["ckpt"].parent / "preempt"
+    ckpt = dirs["ckpt"].parent / f"preempt-{agree_every}"
     launch = _torchrun(
         "preempt", out_dir, ckpt, while_running=_sigterm_rank1_once_it_trains(out_dir)
     )
