@@ -31,6 +31,7 @@ from ckptmgr.retention import (
     RetentionDecision,
     RetentionPolicy,
 )
+from ckptmgr.retry import RetryConfig
 from ckptmgr.save_policy import (
     SaveAtSteps,
     SaveContext,
@@ -62,6 +63,7 @@ __all__ = [
     "RNGState",
     "RetentionDecision",
     "RetentionPolicy",
+    "RetryConfig",
     "SaveAtSteps",
     "SaveContext",
     "SaveEveryNSeconds",

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
-import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -54,6 +53,7 @@ from ckptmgr.storage import (
     CheckpointStorage,
     Leftover,
     objects_file_name,
+    open_filesystem,
 )
 
 PROG = "ckptmgr"
@@ -370,7 +370,7 @@ def _silence_stdout() -> None:
 def open_storage(url: str, option_pairs: Sequence[tuple[str, Any]]) -> CheckpointStorage:
     """The checkpoint root at ``url``; ``CheckpointError`` if it does not exist (none is made)."""
     options = dict(option_pairs)
-    fs, root = fsspec.core.url_to_fs(url, **options)
+    fs, root = open_filesystem(url, options)  # gcsfs/s3fs with ckptmgr's request retries
     if not fs.exists(root):
         raise CheckpointError(f"{url} does not exist")
     if not fs.isdir(root):
@@ -796,7 +796,12 @@ def export_state(storage: CheckpointStorage, record: CommitRecord, rank: int) ->
 
 def new_reader(storage: CheckpointStorage, step_url: str) -> Any:
     """ckptmgr's safe DCP reader for one step directory."""
-    return make_reader(step_url, local=storage.is_local, storage_options=storage.storage_options)
+    return make_reader(
+        step_url,
+        local=storage.is_local,
+        storage_options=storage.storage_options,
+        retry=storage.retry,
+    )
 
 
 def refuse_pickled_items(metadata: dcp_metadata.Metadata) -> None:

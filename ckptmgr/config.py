@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ckptmgr.preemption import PreemptionConfig
 from ckptmgr.retention import parse_policy
+from ckptmgr.retry import RetryConfig
 from ckptmgr.save_policy import parse_save_policy
 
 
@@ -39,6 +40,14 @@ class CheckpointConfig(BaseModel):
     num_of_threads: int = Field(
         default=1, strict=True, gt=0, description="Writer threads per rank (DCP thread_count)."
     )
+    staging_budget_bytes: int | None = Field(
+        default=None,
+        strict=True,
+        ge=0,
+        description="Bound on host memory of all async staging buffers together (None: "
+        "max_pending_async copies of the state). A save that would exceed it waits for "
+        "in-flight saves (back-pressure).",
+    )
     process_group: Any = Field(default=None, exclude=True, description="torch.distributed group.")
     chkpt_on_preemption: bool = Field(
         default=True, strict=True, description="Save at the first step after a preemption notice."
@@ -58,6 +67,10 @@ class CheckpointConfig(BaseModel):
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the fsspec file system."
+    )
+    retry: RetryConfig = Field(
+        default_factory=RetryConfig,
+        description="How transient errors of remote stores are retried (not used on local disks).",
     )
     preemption: PreemptionConfig = Field(
         default_factory=PreemptionConfig, description="Where preemption notices come from."
@@ -80,6 +93,11 @@ class CheckpointConfig(BaseModel):
     @classmethod
     def _none_is_empty(cls, value: Any) -> Any:
         return {} if value is None else value
+
+    @field_validator("retry", mode="before")
+    @classmethod
+    def _default_retry(cls, value: Any) -> Any:
+        return RetryConfig() if value is None else value
 
     @field_validator("preemption", mode="before")
     @classmethod

@@ -3,16 +3,27 @@
 DCP stores its global ``.metadata`` with pickle and loads non-tensor items with
 ``torch.load(weights_only=False)``. ckptmgr stores only tensors through DCP and reads the
 metadata with torch's weights-only unpickler, restricted to DCP's own metadata classes.
+
+On remote stores DCP's files go through :class:`RetryingFileSystem`: each file is serialised into
+a local spool (memory, then a temporary file) and uploaded in one retried call, each file read is
+downloaded in one retried call, and ``.metadata`` is written directly instead of as
+``.metadata.tmp`` plus a rename (a rename is a copy and a delete on object stores).
 """
 
 from __future__ import annotations
 
 import collections
 import io
+import os
 import pathlib
 import pickle
+import shutil
+import tempfile
+import threading
 import warnings
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -20,9 +31,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ckptmgr.errors import CheckpointError
+from ckptmgr.retry import Retrier, RetryConfig
+from ckptmgr.storage import is_object_store, open_filesystem
 
 try:  # FsspecReader/Writer live in a private module; the import path has been stable since 2.2.
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -125,10 +139,6 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
     """DCP's local reader with a restricted metadata unpickler."""
 
 
-class SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
-    """DCP's fsspec reader with a restricted metadata unpickler."""
-
-
 class TensorOnlyLoadPlanner(DefaultLoadPlanner):
     """Loads tensors in place; refuses pickled (BYTE_IO) items instead of unpickling them."""
 
@@ -142,30 +152,246 @@ class TensorOnlyLoadPlanner(DefaultLoadPlanner):
         )
 
 
+SPOOL_MEMORY_BYTES = 64 * 2**20
+"""A data file up to this size is spooled in memory; a larger one goes to a temporary file."""
+_COPY_CHUNK = 8 * 2**20
+
+
+class _Spool(io.RawIOBase):
+    """A write-only stream: memory up to a limit, then a temporary file on local disk.
+
+    ``close()`` (which DCP calls when a file is complete) keeps the data for the upload;
+    :meth:`discard` frees it. ``tempfile.gettempdir()`` (``TMPDIR``) holds spilled data.
+    """
+
+    def __init__(self, memory_limit: int | None = None) -> None:
+        super().__init__()
+        self._limit = SPOOL_MEMORY_BYTES if memory_limit is None else memory_limit
+        self._memory: io.BytesIO | None = io.BytesIO()
+        self._file: IO[bytes] | None = None
+        self.file_path: str | None = None
+        self._size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:  # bytes-like
+        size = memoryview(data).nbytes
+        if self._memory is not None and self._size + size > self._limit:
+            fd, self.file_path = tempfile.mkstemp(prefix="ckptmgr-spool-")
+            self._file = os.fdopen(fd, "wb")
+            self._file.write(self._memory.getbuffer())
+            self._memory = None
+        target = self._memory if self._memory is not None else self._file
+        assert target is not None
+        target.write(data)
+        self._size += size
+        return size
+
+    def tell(self) -> int:
+        return self._size
+
+    def close(self) -> None:
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+        super().close()
+
+    @property
+    def in_memory(self) -> bool:
+        """True while the data is held in memory (it is then uploaded from there)."""
+        return self._memory is not None
+
+    def getvalue(self) -> bytes:
+        """The data, when it is held in memory."""
+        assert self._memory is not None
+        return self._memory.getvalue()
+
+    def discard(self) -> None:
+        """Free the memory or remove the temporary file."""
+        self.close()
+        self._memory = None
+        if self.file_path is not None:
+            try:
+                os.unlink(self.file_path)
+            except FileNotFoundError:
+                pass
+            self.file_path = None
+
+
+class RetryingFileSystem(FileSystemBase):
+    """DCP's file-system interface over an fsspec file system, with every call retried.
+
+    Writes are spooled locally and uploaded in one retried call when DCP closes the file, so a
+    transient error re-sends the whole file and never leaves a half-written one. A file whose
+    name ends in ``.tmp`` (DCP's ``.metadata.tmp``) is held until DCP renames it, and is then
+    uploaded under its final name: one PUT instead of an upload, a copy and a delete. Reads
+    download the whole file (memory, or a temporary file beyond ``SPOOL_MEMORY_BYTES``).
+    """
+
+    def __init__(self, fs: Any, retrier: Retrier, *, object_store: bool) -> None:
+        self.fs = fs
+        self.retrier = retrier
+        self.object_store = object_store
+        self._held: dict[str, _Spool] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        path = os.fspath(path)
+        if "r" in mode:
+            stream = self.retrier.call(f"read {path}", self._download, path)
+            try:
+                yield stream
+            finally:
+                stream.close()
+            return
+        spool = _Spool()
+        try:
+            yield spool
+        except BaseException:
+            spool.discard()
+            raise
+        if path.endswith(".tmp"):
+            with self._lock:
+                self._held[path] = spool
+            return
+        try:
+            self._upload(spool, path)
+        finally:
+            spool.discard()
+
+    def _upload(self, spool: _Spool, path: str) -> None:
+        spool.close()
+        if spool.in_memory:
+            data = spool.getvalue()
+            self.retrier.call(f"upload {path}", self.fs.pipe_file, path, data)
+        else:
+            assert spool.file_path is not None
+            self.retrier.call(f"upload {path}", self.fs.put_file, spool.file_path, path)
+
+    def _download(self, path: str) -> IO[bytes]:
+        spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES, prefix="ckptmgr-")
+        try:
+            with self.fs.open(path, "rb", block_size=_COPY_CHUNK) as remote:
+                shutil.copyfileobj(remote, spool, _COPY_CHUNK)
+            spool.seek(0)
+        except BaseException:
+            spool.close()
+            raise
+        return spool  # type: ignore[return-value]
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return f"{os.fspath(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path: str | os.PathLike[str], **kwargs: Any) -> str | os.PathLike[str]:
+        return path
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        source, target = os.fspath(path), os.fspath(new_path)
+        with self._lock:
+            spool = self._held.pop(source, None)
+        if spool is None:
+            self.retrier.call(f"rename {source}", self.fs.mv, source, target)
+            return
+        try:
+            self._upload(spool, target)
+        finally:
+            spool.discard()
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        if not self.object_store:  # object stores have no directories to create
+            self.retrier.call(f"create {path}", self.fs.makedirs, os.fspath(path), exist_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        path = os.fspath(path)
+        with self._lock:
+            if path in self._held:
+                return True
+
+        def fresh_exists() -> bool:
+            self.fs.invalidate_cache(path)
+            return bool(self.fs.exists(path))
+
+        return self.retrier.call(f"check {path}", fresh_exists)
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        path = os.fspath(path)
+        with self._lock:
+            spool = self._held.pop(path, None)
+        if spool is not None:
+            spool.discard()
+            return
+        try:
+            self.retrier.call(f"delete {path}", self.fs.rm_file, path)
+        except FileNotFoundError:
+            pass
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return self.retrier.call(f"list {path}", self.fs.ls, os.fspath(path), detail=False)
+
+
+class RetryingFsspecWriter(FsspecWriter):
+    """DCP's fsspec writer over :class:`RetryingFileSystem`: retried uploads, no ``os.sync()``,
+    ``.metadata`` written directly, and never into a directory that holds a checkpoint."""
+
+    def __init__(self, path: str, fs: Any, retrier: Retrier, *, thread_count: int) -> None:
+        FileSystemWriter.__init__(  # not FsspecWriter's: it would open a file system of its own
+            self,
+            path,
+            single_file_per_rank=True,
+            sync_files=False,  # fsspec streams have no fileno(): DCP would fall back to os.sync()
+            thread_count=thread_count,
+            overwrite=False,
+        )
+        self.fs = RetryingFileSystem(fs, retrier, object_store=is_object_store(fs))
+        self.path = path
+
+
+class SafeRetryingFsspecReader(_SafeMetadataMixin, FsspecReader):
+    """DCP's fsspec reader over :class:`RetryingFileSystem`, with the restricted unpickler."""
+
+    def __init__(self, path: str, fs: Any, retrier: Retrier) -> None:
+        FileSystemReader.__init__(self, path)
+        self.fs = RetryingFileSystem(fs, retrier, object_store=is_object_store(fs))
+        self.path = path
+
+
 def make_writer(
-    url_or_path: str, *, local: bool, thread_count: int, storage_options: dict[str, Any]
+    url_or_path: str,
+    *,
+    local: bool,
+    thread_count: int,
+    storage_options: dict[str, Any],
+    retry: RetryConfig | None = None,
 ) -> FileSystemWriter | FsspecWriter:
-    """A DCP writer for one step directory: fsynced files locally, no ``os.sync()`` remotely."""
+    """A DCP writer for one step directory: fsynced files locally; on other stores retried
+    uploads without ``os.sync()`` (see :class:`RetryingFsspecWriter`)."""
     if local:
         return FileSystemWriter(
             url_or_path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
         )
-    return FsspecWriter(
-        url_or_path,
-        single_file_per_rank=True,
-        sync_files=False,  # fsspec streams have no fileno(): DCP would fall back to os.sync()
-        thread_count=thread_count,
-        **storage_options,
-    )
+    config = retry or RetryConfig()
+    fs, _ = open_filesystem(url_or_path, storage_options, config)
+    return RetryingFsspecWriter(url_or_path, fs, Retrier(config), thread_count=thread_count)
 
 
 def make_reader(
-    url_or_path: str, *, local: bool, storage_options: dict[str, Any]
-) -> SafeFileSystemReader | SafeFsspecReader:
-    """A DCP reader for one committed step directory."""
+    url_or_path: str,
+    *,
+    local: bool,
+    storage_options: dict[str, Any],
+    retry: RetryConfig | None = None,
+) -> SafeFileSystemReader | FsspecReader:
+    """A DCP reader for one committed step directory (retried reads on remote stores)."""
     if local:
         return SafeFileSystemReader(url_or_path)
-    return SafeFsspecReader(url_or_path, **storage_options)
+    config = retry or RetryConfig()
+    fs, _ = open_filesystem(url_or_path, storage_options, config)
+    return SafeRetryingFsspecReader(url_or_path, fs, Retrier(config))
 
 
 def save_tensors(

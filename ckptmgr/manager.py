@@ -26,6 +26,7 @@ from ckptmgr.config import CheckpointConfig
 from ckptmgr.errors import CheckpointError, StepNotFoundError
 from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNotice
 from ckptmgr.record import CommitRecord, TensorEntry, utc_now
+from ckptmgr.retry import RetryConfig
 from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
 from ckptmgr.staging import StagingPool
 from ckptmgr.state import RestorePlan, flatten, plan_restore
@@ -75,8 +76,10 @@ class CheckpointManager:
         *,
         retention: retention.RetentionPolicy | list[retention.RetentionPolicy] | None = None,
         retention_dry_run: bool = False,
+        staging_budget_bytes: int | None = None,
         save_policy: SavePolicy | list[SavePolicy] | None = None,
         storage_options: dict[str, Any] | None = None,
+        retry: RetryConfig | None = None,
         preemption: PreemptionConfig | None = None,
         leftover_grace_s: float = 600.0,
         collective_timeout_s: float = 600.0,
@@ -91,8 +94,10 @@ class CheckpointManager:
             chkpt_on_preemption=chkpt_on_preemption,
             retention=retention,
             retention_dry_run=retention_dry_run,
+            staging_budget_bytes=staging_budget_bytes,
             save_policy=save_policy,
             storage_options=storage_options,
+            retry=retry,
             preemption=preemption,
             leftover_grace_s=leftover_grace_s,
             collective_timeout_s=collective_timeout_s,
@@ -115,7 +120,7 @@ class CheckpointManager:
     def _start(self, config: CheckpointConfig) -> None:
         self.config = config
         self._closed = True  # until fully started, so close() in error paths does nothing
-        self._storage = CheckpointStorage(config.path, config.storage_options)
+        self._storage = CheckpointStorage(config.path, config.storage_options, config.retry)
         self._comm = Collectives(config.process_group, config.collective_timeout_s)
         self._policy = _build_policy(config)
         self._records = pruning.RecordReader(self._storage)
@@ -124,7 +129,7 @@ class CheckpointManager:
             is_rank_independent(policy) for policy in self._schedule.policies
         )
         self._writer = BackgroundWriter()
-        self._staging = StagingPool(config.max_pending_async)
+        self._staging = StagingPool(config.max_pending_async, config.staging_budget_bytes)
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
         self._preemption_claimed: int | None = None
@@ -364,7 +369,7 @@ class CheckpointManager:
         local_error: BaseException | None = None
         try:
             if not comm.is_coordinator:
-                storage.fs.makedirs(write_dir, exist_ok=True)
+                storage.ensure_dir(write_dir)  # retried; no-op on object stores
             storage.write_json(f"{write_dir}/{objects_file_name(comm.rank)}", request.objects)
         except Exception as exc:
             local_error = exc
@@ -375,6 +380,7 @@ class CheckpointManager:
                 local=storage.is_local,
                 thread_count=self.config.num_of_threads,
                 storage_options=storage.storage_options,
+                retry=storage.retry,
             )
             dcp_metadata = dcp_io.save_tensors(
                 request.tensors, writer, group if comm.distributed else None
@@ -584,6 +590,7 @@ class CheckpointManager:
             self._storage.url_for(self._storage.step_path(step)),
             local=self._storage.is_local,
             storage_options=self._storage.storage_options,
+            retry=self._storage.retry,
         )
         try:
             if plan.tensors:

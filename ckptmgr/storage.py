@@ -8,7 +8,13 @@ Layout under the root URL::
 
 A step is committed exactly when ``step_<N>/commit.json`` exists. Locally the record is written
 inside the temporary directory, which is then renamed into place (an atomic commit); on object
-stores, which cannot rename directories, the data is written in place and the record last.
+stores, which cannot rename directories, the data is written in place and the record last, with a
+create-only write where the store supports it.
+
+Every call to a non-local store goes through :class:`~ckptmgr.retry.Retrier` (transient errors
+are retried, see :mod:`ckptmgr.retry`). Listings never trust fsspec's listing cache: each one is a
+fresh recursive listing of the root (one request per 1000 objects on GCS and S3), so a record
+written by another process is seen at once.
 """
 
 from __future__ import annotations
@@ -20,20 +26,28 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import fsspec
+from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ckptmgr.errors import CheckpointError
 from ckptmgr.record import RECORD_NAME, CommitRecord, FileEntry
+from ckptmgr.retry import Retrier, RetryConfig, client_class, client_options, http_status
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STEP_DIR_PATTERN = re.compile(r"^step_(\d{12,})$")
 TMP_PREFIX = ".tmp-"
 DELETING_PREFIX = ".deleting-"
+OBJECT_STORE_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "oss"})
+"""Protocols without real directories: a "directory" is a key prefix that exists while it holds
+objects, and a rename copies every object."""
 
 
 def step_dir_name(step: int) -> str:
@@ -52,20 +66,78 @@ def objects_file_name(rank: int) -> str:
     return f"objects-rank{rank:05d}.json"
 
 
+def open_filesystem(
+    url: str, storage_options: Mapping[str, Any] | None = None, retry: RetryConfig | None = None
+) -> tuple[AbstractFileSystem, str]:
+    """The fsspec file system and path of ``url``, like ``fsspec.core.url_to_fs``.
+
+    For ``gs://`` and ``s3://`` the file system is a subclass of gcsfs'/s3fs' whose HTTP requests
+    are retried by ckptmgr's policy (:func:`ckptmgr.retry.client_class`). The same URL, options and
+    retry configuration give the same (cached) instance, so the manager and DCP share one.
+    """
+    options = dict(storage_options or {})
+    protocol, _ = fsspec.core.split_protocol(url)
+    if protocol is None or "::" in url:
+        return fsspec.core.url_to_fs(url, **options)
+    base = fsspec.get_filesystem_class(protocol)
+    cls = client_class(base, retry or RetryConfig())
+    if cls is base:
+        return fsspec.core.url_to_fs(url, **options)
+    kwargs = {**cls._get_kwargs_from_urls(url), **client_options(cls, options)}
+    return cls(**kwargs), cls._strip_protocol(url)
+
+
+def is_object_store(fs: AbstractFileSystem) -> bool:
+    """True for file systems whose directories are key prefixes (GCS, S3, Azure, ...)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in OBJECT_STORE_PROTOCOLS for p in protocols)
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Uncommitted data under the root (an interrupted save or delete)."""
+
+    name: str
+    path: str
+    age_s: float | None
+    """Seconds since its newest file was modified (None when the store does not say)."""
+
+
 class AlreadyCommittedError(CheckpointError):
     """Raised when a commit finds the step already committed (by another writer)."""
 
 
 class CheckpointStorage:
-    """List, write, commit and delete checkpoint steps under one fsspec URL."""
+    """List, write, commit and delete checkpoint steps under one fsspec URL.
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    ``retry`` sets how transient errors of a remote store are retried (the default
+    :class:`~ckptmgr.retry.RetryConfig` when None); local disks are never retried.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryConfig | None = None,
+    ) -> None:
         self.url = str(url)
         self.storage_options = dict(storage_options or {})
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.retry = retry or RetryConfig()
+        self._retrier = Retrier(self.retry)
+        self.fs, self.root = open_filesystem(self.url, self.storage_options, self.retry)
         self.root = self.root.rstrip("/") or "/"
         self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.fs.makedirs(self.root, exist_ok=True)
+        self.is_object_store = is_object_store(self.fs)
+        if self.is_local:
+            self.fs.makedirs(self.root, exist_ok=True)
+        else:
+            self._call(f"create {self.root}", self.fs.makedirs, self.root, exist_ok=True)
+
+    def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, retried on transient errors (remote stores only)."""
+        if self.is_local:
+            return fn(*args, **kwargs)
+        return self._retrier.call(what, fn, *args, **kwargs)
 
     # -- paths -------------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -82,8 +154,12 @@ class CheckpointStorage:
 
     # -- listing -----------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
-        """Steps whose commit record exists, sorted; always read fresh from storage."""
-        self.fs.invalidate_cache(self.root)
+        """Steps whose commit record exists, sorted; always read fresh from storage.
+
+        Locally one directory listing plus one ``stat`` per step; on other stores one recursive
+        listing of the root (one request per 1000 objects on GCS and S3), whatever the number
+        of steps.
+        """
         if self.is_local:
             steps = []
             for name in _listdir(self.root):
@@ -91,15 +167,38 @@ class CheckpointStorage:
                 if step is not None and os.path.exists(os.path.join(self.root, name, RECORD_NAME)):
                     steps.append(step)
             return sorted(steps)
-        found = self.fs.glob(self.path("step_*", RECORD_NAME))
-        steps = {parse_step_dir_name(p.rstrip("/").split("/")[-2]) for p in found}
-        return sorted(s for s in steps if s is not None)
+        steps = set()
+        for relative in self._find(self.root):
+            parts = relative.split("/")
+            if len(parts) == 2 and parts[1] == RECORD_NAME:
+                step = parse_step_dir_name(parts[0])
+                if step is not None:
+                    steps.add(step)
+        return sorted(steps)
+
+    def _find(self, path: str) -> dict[str, dict[str, Any]]:
+        """Every file under ``path`` (relative path -> info), listed fresh, with retries."""
+        prefix = path.rstrip("/") + "/"
+
+        def listing() -> dict[str, dict[str, Any]]:
+            self.fs.invalidate_cache(path)
+            try:
+                found = self.fs.find(path, detail=True)
+            except FileNotFoundError:
+                return {}
+            return {
+                name[len(prefix) :]: info
+                for name, info in found.items()
+                if name.startswith(prefix) and info.get("type", "file") != "directory"
+            }
+
+        return self._call(f"list {path}", listing)
 
     def read_record(self, step: int) -> CommitRecord:
         """The commit record of a committed step; ``CheckpointError`` if it is unreadable."""
         path = self.path(step_dir_name(step), RECORD_NAME)
         try:
-            return CommitRecord.from_json(self.fs.cat_file(path))
+            return CommitRecord.from_json(self._read_bytes(path))
         except FileNotFoundError as exc:
             raise CheckpointError(
                 f"commit record {path} is gone (deleted by another process?)"
@@ -111,7 +210,7 @@ class CheckpointStorage:
         """One plain-values file of a committed step, as stored (still encoded)."""
         path = self.path(step_dir_name(step), name)
         try:
-            data = json.loads(self.fs.cat_file(path))
+            data = json.loads(self._read_bytes(path))
         except FileNotFoundError as exc:
             raise CheckpointError(f"{path} is missing: the checkpoint is damaged") from exc
         except ValueError as exc:
@@ -119,6 +218,9 @@ class CheckpointStorage:
         if not isinstance(data, dict):
             raise CheckpointError(f"{name} of step {step} is not a JSON object")
         return data
+
+    def _read_bytes(self, path: str) -> bytes:
+        return self._call(f"read {path}", self.fs.cat_file, path)
 
     # -- writing -----------------------------------------------------------------------------
     def write_dir(self, step: int, save_id: str) -> str:
@@ -130,12 +232,29 @@ class CheckpointStorage:
         return path
 
     def prepare_write_dir(self, path: str) -> None:
-        """Create ``path``; on object stores, clear leftovers of an interrupted earlier save."""
-        if not self.is_local and self.fs.exists(path):
-            if self.fs.exists(f"{path}/{RECORD_NAME}"):
-                raise AlreadyCommittedError(f"{path} is already committed")
-            self.fs.rm(path, recursive=True)
-        self.fs.makedirs(path, exist_ok=True)
+        """Create ``path``; on other stores, clear leftovers of an interrupted earlier save.
+
+        Raises :class:`AlreadyCommittedError` when ``path`` holds a commit record: a committed
+        step is never written into.
+        """
+        if self.is_local:
+            self.fs.makedirs(path, exist_ok=True)
+            return
+        existing = self._find(path)
+        if RECORD_NAME in existing:
+            raise AlreadyCommittedError(f"{path} is already committed")
+        if existing:
+            log.info("removing %d objects of an interrupted save in %s", len(existing), path)
+            self._remove_tree(path, [f"{path}/{name}" for name in existing])
+        if not self.is_object_store:
+            self._call(f"create {path}", self.fs.makedirs, path, exist_ok=True)
+
+    def ensure_dir(self, path: str) -> None:
+        """Create directory ``path`` if the store has directories (not on object stores)."""
+        if self.is_local:
+            self.fs.makedirs(path, exist_ok=True)
+        elif not self.is_object_store:
+            self._call(f"create {path}", self.fs.makedirs, path, exist_ok=True)
 
     def write_json(self, path: str, payload: Any) -> None:
         """Write a JSON document (fsynced on local disks)."""
@@ -149,21 +268,32 @@ class CheckpointStorage:
                 handle.flush()
                 os.fsync(handle.fileno())
         else:
-            self.fs.pipe_file(path, data)
+            self._call(f"write {path}", self.fs.pipe_file, path, data)
 
     def list_files(self, path: str) -> list[FileEntry]:
         """Every file under ``path`` with its size, relative to ``path``."""
-        self.fs.invalidate_cache(path)
-        entries = []
-        for full, info in sorted(self.fs.find(path, detail=True).items()):
-            relative = full[len(path.rstrip("/")) + 1 :]
-            entries.append(FileEntry(path=relative, size=int(info.get("size") or 0)))
-        return entries
+        if self.is_local:
+            self.fs.invalidate_cache(path)
+            found = self.fs.find(path, detail=True)
+            prefix = path.rstrip("/") + "/"
+            listed = {name[len(prefix) :]: info for name, info in found.items()}
+        else:
+            listed = self._find(path)
+        return [
+            FileEntry(path=relative, size=int(info.get("size") or 0))
+            for relative, info in sorted(listed.items())
+        ]
 
     def commit(self, step: int, path: str, record: CommitRecord) -> None:
-        """Make the step written into ``path`` committed, atomically where the store allows."""
+        """Make the step written into ``path`` committed, atomically where the store allows.
+
+        On remote stores the record is written last, in one request, create-only where the store
+        supports it (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``): a record that already
+        exists is read back, and unless it is this save's own (an earlier try that did land),
+        :class:`AlreadyCommittedError` is raised.
+        """
         if not self.is_local:
-            self._write_bytes(f"{path}/{RECORD_NAME}", record.to_json())
+            self._commit_remote(step, f"{path}/{RECORD_NAME}", record)
             return
         self._write_bytes(os.path.join(path, RECORD_NAME), record.to_json())
         _fsync_dir(path)
@@ -175,21 +305,62 @@ class CheckpointStorage:
         os.rename(path, final)
         _fsync_dir(self.root)
 
+    def _commit_remote(self, step: int, target: str, record: CommitRecord) -> None:
+        data = record.to_json()
+        try:
+            self._call(f"write commit record {target}", self._create_only, target, data)
+            return
+        except FileExistsError:
+            pass
+        try:
+            existing = CommitRecord.from_json(self._read_bytes(target))
+        except (FileNotFoundError, ValueError):
+            existing = None
+        if existing is not None and existing.save_id == record.save_id:
+            log.info("commit record of step %d was written by an earlier try", step)
+            return
+        raise AlreadyCommittedError(f"step {step} was committed by another writer")
+
+    def _create_only(self, path: str, data: bytes) -> None:
+        """Write ``path`` unless it exists (``FileExistsError``), in one request if possible.
+
+        Stores without conditional writes (a ``mode`` that fsspec does not know, or HTTP 501 from
+        an S3-compatible server) get a check and a plain write: a best effort, like GCS emulators
+        that accept ``ifGenerationMatch=0`` and ignore it.
+        """
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+            return
+        except TypeError:
+            pass
+        except Exception as exc:
+            if http_status(exc) != 501:
+                raise
+        self.fs.invalidate_cache(path)
+        if self.fs.exists(path):
+            raise FileExistsError(path)
+        self.fs.pipe_file(path, data)
+
     def discard(self, path: str) -> None:
         """Remove an uncommitted write directory (best effort)."""
         try:
             if self.is_local:
                 self._remove_local_tree(path)
-            elif self.fs.exists(path) and not self.fs.exists(f"{path}/{RECORD_NAME}"):
-                self.fs.rm(path, recursive=True)
+                return
+            existing = self._find(path)
+            if RECORD_NAME not in existing:
+                self._remove_tree(path, [f"{path}/{name}" for name in existing])
         except Exception as exc:  # the next manager's leftover sweep gets it
             log.warning("could not remove uncommitted checkpoint data %s: %s", path, exc)
 
     # -- deleting ----------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:
-        """Delete a committed step: the record first (so it is never half-listed), then the data."""
+        """Delete a committed step: the record first (so it is never half-listed), then the data.
+
+        On remote stores the data objects are listed once and deleted in batches (S3 deletes up
+        to 1000 keys per request).
+        """
         path = self.step_path(step)
-        record = f"{path}/{RECORD_NAME}"
         if self.is_local:
             if not os.path.exists(path):
                 return
@@ -198,33 +369,94 @@ class CheckpointStorage:
             _fsync_dir(self.root)
             self._remove_local_tree(doomed)
             return
-        if self.fs.exists(record):
-            self.fs.rm_file(record)
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
+        record = f"{path}/{RECORD_NAME}"
+        try:
+            self._call(f"delete commit record {record}", self.fs.rm_file, record)
+        except FileNotFoundError:
+            pass
+        self._remove_tree(path, [f"{path}/{name}" for name in self._find(path)])
 
-    def remove_leftovers(self, grace_s: float, keep: Iterable[str] = ()) -> list[str]:
-        """Delete uncommitted data older than ``grace_s`` seconds; returns what was removed."""
-        keep_set = set(keep)
+    def _remove_tree(self, path: str, files: list[str]) -> None:
+        """Delete ``files`` (all under ``path``) in batches, then ``path`` itself if it is a
+        directory of its own (not on object stores, where it vanishes with its last object)."""
+        if files:
+            self._call(f"delete {len(files)} objects under {path}", self._remove_files, files)
+        if not self.is_object_store:
+
+            def remove_dir() -> None:
+                try:
+                    self.fs.rm(path, recursive=True)
+                except FileNotFoundError:
+                    pass
+
+            self._call(f"delete {path}", remove_dir)
+
+    def _remove_files(self, files: list[str]) -> None:
+        try:
+            self.fs.rm(files)
+        except FileNotFoundError:  # a retry after a partly done batch: delete what is left
+            for name in files:
+                try:
+                    self.fs.rm_file(name)
+                except FileNotFoundError:
+                    continue
+
+    def leftovers(self) -> list[Leftover]:
+        """Uncommitted data under the root: interrupted saves and deletes, sorted by name."""
+        if not self.is_local:
+            return self._remote_leftovers()
         self.fs.invalidate_cache(self.root)
-        removed = []
+        found = []
         now = time.time()
         for entry in self.fs.ls(self.root, detail=False):
             name = entry.rstrip("/").split("/")[-1]
             full = self.path(name)
-            if full in keep_set or not self._is_leftover(name, full):
+            if not self._is_leftover(name, full):
                 continue
             newest = self._newest_mtime(full)
-            if newest is None or now - newest < grace_s:
+            age = None if newest is None else max(now - newest, 0.0)
+            found.append(Leftover(name=name, path=full, age_s=age))
+        return sorted(found, key=lambda leftover: leftover.name)
+
+    def _remote_leftovers(self) -> list[Leftover]:
+        """Leftovers from one recursive listing of the root."""
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for relative, info in self._find(self.root).items():
+            top, _, rest = relative.partition("/")
+            if rest:
+                groups.setdefault(top, []).append({**info, "_relative": rest})
+        now = time.time()
+        found = []
+        for name, infos in groups.items():
+            if name.startswith((TMP_PREFIX, DELETING_PREFIX)):
+                pass
+            elif parse_step_dir_name(name) is None:
+                continue
+            elif any(info["_relative"] == RECORD_NAME for info in infos):
+                continue
+            times = [t for t in (_info_mtime(info) for info in infos) if t is not None]
+            age = max(now - max(times), 0.0) if times else None
+            found.append(Leftover(name=name, path=self.path(name), age_s=age))
+        return sorted(found, key=lambda leftover: leftover.name)
+
+    def remove_leftovers(self, grace_s: float, keep: Iterable[str] = ()) -> list[str]:
+        """Delete uncommitted data older than ``grace_s`` seconds; returns what was removed."""
+        keep_set = set(keep)
+        removed = []
+        for leftover in self.leftovers():
+            if leftover.path in keep_set or leftover.age_s is None or leftover.age_s < grace_s:
                 continue
             try:
                 if self.is_local:
-                    self._remove_local_tree(full)
+                    self._remove_local_tree(leftover.path)
                 else:
-                    self.fs.rm(full, recursive=True)
-                removed.append(name)
+                    files = self._find(leftover.path)
+                    if RECORD_NAME in files:  # committed meanwhile (a slow writer): keep it
+                        continue
+                    self._remove_tree(leftover.path, [f"{leftover.path}/{n}" for n in files])
+                removed.append(leftover.name)
             except Exception as exc:
-                log.warning("could not remove leftover %s: %s", full, exc)
+                log.warning("could not remove leftover %s: %s", leftover.path, exc)
         if removed:
             log.info("removed leftovers of interrupted saves/deletes: %s", removed)
         return removed
@@ -237,18 +469,14 @@ class CheckpointStorage:
         return not self.fs.exists(f"{full}/{RECORD_NAME}")
 
     def _newest_mtime(self, path: str) -> float | None:
-        if self.is_local:
-            newest = os.path.getmtime(path)
-            for dirpath, _, files in os.walk(path):
-                for name in files:
-                    try:
-                        newest = max(newest, os.path.getmtime(os.path.join(dirpath, name)))
-                    except FileNotFoundError:
-                        continue
-            return newest
-        times = [_info_mtime(info) for info in self.fs.find(path, detail=True).values()]
-        known = [t for t in times if t is not None]
-        return max(known) if known else None
+        newest = os.path.getmtime(path)
+        for dirpath, _, files in os.walk(path):
+            for name in files:
+                try:
+                    newest = max(newest, os.path.getmtime(os.path.join(dirpath, name)))
+                except FileNotFoundError:
+                    continue
+        return newest
 
     @staticmethod
     def _remove_local_tree(path: str) -> None:

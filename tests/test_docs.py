@@ -154,7 +154,17 @@ def test_required_documents_exist() -> None:
     assert not missing, f"missing documents: {missing}"
 
 
-@pytest.mark.parametrize("path", MARKDOWN_FILES, ids=rel)
+CLOUD_DOCS = {"cloud-storage.md"}  # start the GCS emulator and moto: dev extras
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(path, marks=pytest.mark.cloud) if path.name in CLOUD_DOCS else path
+        for path in MARKDOWN_FILES
+    ],
+    ids=rel,
+)
 def test_python_blocks_run(path: Path, tmp_path: Path) -> None:
     blocks = [block for block in code_blocks(path) if block.language == "python"]
     if not blocks:

@@ -1,0 +1,265 @@
+"""CheckpointManager on gs:// and s3://, against real servers on 127.0.0.1.
+
+Every test runs twice: against the ``gcp-storage-emulator`` server (through gcsfs) and against
+moto's S3 server (through s3fs). Requests are counted by a forwarding proxy where the test is
+about what is sent: listing costs, the commit record written last and create-only, deletion
+order, no ``.metadata.tmp`` rename.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+from _cloud_servers import (  # noqa: F401  (the *_fixture functions are fixtures)
+    FaultProxy,
+    Server,
+    is_data_upload,
+    is_listing,
+    proxy_fixture,
+    require_cloud_modules,
+    root_fixture,
+    server_fixture,
+)
+
+require_cloud_modules()
+
+from _cloud_state import blank_like, differences, make_state  # noqa: E402
+from conftest import run_python  # noqa: E402
+
+from ckptmgr import CheckpointError, CheckpointManager, StepNotFoundError, dcp_io  # noqa: E402
+from ckptmgr.record import CommitRecord  # noqa: E402
+from ckptmgr.storage import AlreadyCommittedError, CheckpointStorage  # noqa: E402
+
+pytestmark = [pytest.mark.cloud, pytest.mark.timeout(240)]
+CHILD_TIMEOUT_S = 180.0
+TESTS = Path(__file__).resolve().parent  # the children import _cloud_state from here
+
+
+def manager(root: str, options: dict, **kwargs: object) -> CheckpointManager:
+    kwargs.setdefault("chkpt_on_preemption", False)
+    return CheckpointManager(root, 1, storage_options=options, **kwargs)  # type: ignore[arg-type]
+
+
+def restored(mgr: CheckpointManager, step: int) -> dict:
+    state = blank_like(make_state(step))
+    mgr.restore(step, state)
+    return state
+
+
+def objects_under(server: Server, root: str) -> list[str]:
+    """Every object under ``root``, relative to it, read straight from the server."""
+    storage = CheckpointStorage(root, server.storage_options())
+    return sorted(entry.path for entry in storage.list_files(storage.root))
+
+
+# -- save, restore, retention ----------------------------------------------------------------------
+def test_sync_and_async_saves_restore_bit_exact_and_retention_deletes_old_steps(
+    server: Server, root: str
+) -> None:
+    options = server.storage_options()
+    with manager(root, options, max_to_keep=2) as mgr:
+        assert mgr.save(1, make_state(1))
+        assert mgr.save_async(2, make_state(2))
+        assert mgr.save_async(3, make_state(3))
+        mgr.join()
+        assert mgr.save(4, make_state(4), metrics={"loss": 0.5})
+        assert mgr.all_steps() == [3, 4]
+        for step in (3, 4):
+            assert differences(restored(mgr, step), make_state(step)) == []
+        with pytest.raises(StepNotFoundError):
+            mgr.restore(1, blank_like(make_state(1)))
+    names = objects_under(server, root)
+    assert {name.split("/")[0] for name in names} == {"step_000000000003", "step_000000000004"}
+    assert "step_000000000004/commit.json" in names
+    assert not any(".tmp" in name for name in names), names
+
+
+def test_another_process_lists_restores_and_commits_and_this_one_sees_it_at_once(
+    server: Server, root: str
+) -> None:
+    options = server.storage_options()
+    with manager(root, options, max_to_keep=3) as mgr:
+        for step in (10, 20, 30, 40):
+            mgr.save_async(step, make_state(step))
+        mgr.join()
+        assert mgr.all_steps() == [20, 30, 40]
+    storage = CheckpointStorage(root, options)
+    assert storage.committed_steps() == [20, 30, 40]
+    storage.fs.ls(storage.root)  # warm fsspec's listing cache with the current listing
+    storage.fs.exists(f"{storage.step_path(50)}/commit.json")
+    code = f"""
+import json
+from _cloud_state import blank_like, differences, make_state
+from ckptmgr import CheckpointManager
+with CheckpointManager({root!r}, 1, max_to_keep=3, chkpt_on_preemption=False,
+                       storage_options={options!r}) as mgr:
+    listed = mgr.all_steps()
+    found = {{}}
+    for step in listed:
+        state = blank_like(make_state(step))
+        mgr.restore(step, state)
+        found[step] = differences(state, make_state(step))
+    mgr.save(50, make_state(50))
+    print(json.dumps({{"listed": listed, "differences": found, "after": mgr.all_steps()}}))
+"""
+    result = run_python(code, timeout=CHILD_TIMEOUT_S, cwd=TESTS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["listed"] == [20, 30, 40]
+    assert report["differences"] == {"20": [], "30": [], "40": []}
+    assert report["after"] == [30, 40, 50]
+    assert storage.committed_steps() == [30, 40, 50]  # despite the warm listing cache
+    assert storage.read_record(50).step == 50
+
+
+# -- what goes over the wire ----------------------------------------------------------------------
+def test_listing_costs_the_same_few_requests_for_2_and_for_8_steps(
+    server: Server, root: str, proxy: FaultProxy
+) -> None:
+    options = server.storage_options(proxy.url)
+    costs = {}
+    with manager(root, options) as mgr:
+        for step in range(8):
+            mgr.save(step, make_state(step, size=256))
+            if step + 1 not in (2, 8):
+                continue
+            storage = CheckpointStorage(root, options)
+            proxy.clear()
+            assert storage.committed_steps() == list(range(step + 1))
+            listing = proxy.count()
+            proxy.clear()
+            assert storage.leftovers() == []
+            leftovers = proxy.count()
+            proxy.clear()
+            with manager(root, options) as other:  # sweep leftovers, then list
+                assert other.all_steps() == list(range(step + 1))
+            costs[step + 1] = (listing, leftovers, proxy.count(), proxy.count(is_listing))
+    print(f"{server.kind}: requests (committed_steps, leftovers, new manager, listings): {costs}")
+    assert costs[2] == costs[8], costs
+    assert costs[8][:2] == (1, 1), costs
+    assert costs[8][2] <= 4 and costs[8][3] == 2, costs
+
+
+def test_storage_options_reach_the_manager_and_dcp(
+    server: Server, root: str, proxy: FaultProxy
+) -> None:
+    with manager(root, server.storage_options(proxy.url)) as mgr:
+        mgr.save(1, make_state(1))
+        assert differences(restored(mgr, 1), make_state(1)) == []
+    assert proxy.count(is_data_upload) == 1  # DCP's data file went through the proxy too
+    assert proxy.count(lambda method, path: method == "GET" and ".distcp" in path) >= 1
+
+
+def test_the_commit_record_is_the_last_write_and_is_create_only(
+    server: Server, root: str, proxy: FaultProxy
+) -> None:
+    options = server.storage_options(proxy.url)
+    with manager(root, options) as mgr:
+        proxy.clear()
+        mgr.save(5, make_state(5))
+    writes = [s for s in proxy.seen if s.method in ("PUT", "POST") and s.status == 200]
+    assert len(writes) >= 4, writes  # plain values, data, .metadata, record
+    record_writes = [s for s in writes if _names(s.path, "commit.json")]
+    assert record_writes == [writes[-1]], [s.path for s in writes]
+    if server.kind == "gcs":  # the emulator ignores it; real GCS answers 412 when it exists
+        assert "ifGenerationMatch=0" in record_writes[0].path
+    paths = " ".join(s.path for s in proxy.seen)
+    assert ".metadata.tmp" not in paths and "moveTo" not in paths and "rewriteTo" not in paths
+
+    storage = CheckpointStorage(root, server.storage_options())
+    record = storage.read_record(5)
+    other = record.model_copy(update={"save_id": "0123456789abcdef"})
+    if server.kind == "s3":  # moto honours If-None-Match: *, as S3 does
+        with pytest.raises(AlreadyCommittedError):
+            storage.commit(5, storage.step_path(5), other)
+    storage.commit(5, storage.step_path(5), record)  # the same save's record: a retry that landed
+    assert CheckpointStorage(root, options).read_record(5).save_id == record.save_id
+    with pytest.raises(AlreadyCommittedError):
+        storage.prepare_write_dir(storage.step_path(5))
+
+
+def _names(path: str, name: str) -> bool:
+    return name in path or name.replace(".", "%2E") in path
+
+
+def test_delete_removes_the_record_first_then_the_data_in_batches(
+    server: Server, root: str, proxy: FaultProxy
+) -> None:
+    options = server.storage_options(proxy.url)
+    with manager(root, options, num_of_threads=3) as mgr:
+        mgr.save(1, make_state(1))
+    storage = CheckpointStorage(root, options)
+    proxy.clear()
+    storage.delete_step(1)
+    deletes = [s for s in proxy.seen if s.method == "DELETE" or "delete" in s.path]
+    assert deletes and "commit.json" in deletes[0].path.replace("%2F", "/"), deletes
+    if server.kind == "s3":  # one DeleteObjects request for every data object
+        assert len(deletes) == 2 and deletes[1].method == "POST", deletes
+    assert storage.committed_steps() == []
+    assert objects_under(server, root) == []
+
+
+def test_a_step_whose_data_delete_fails_is_no_longer_listed(
+    server: Server, root: str, proxy: FaultProxy
+) -> None:
+    options = server.storage_options(proxy.url)
+    with manager(root, options) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.save(2, make_state(2))
+    storage = CheckpointStorage(root, options)
+
+    def data_delete(method: str, path: str) -> bool:
+        deleting = method == "DELETE" or (method == "POST" and "delete" in path)
+        return deleting and "commit.json" not in path.replace("%2F", "/")
+
+    proxy.set_faults(permanent="403", match=data_delete)
+    with pytest.raises((OSError, CheckpointError)):
+        storage.delete_step(1)
+    proxy.set_faults()
+    assert storage.committed_steps() == [2]
+    assert [leftover.name for leftover in storage.leftovers()] == ["step_000000000001"]
+    with manager(root, options, leftover_grace_s=0) as mgr:
+        assert mgr.all_steps() == [2]
+    assert {name.split("/")[0] for name in objects_under(server, root)} == {"step_000000000002"}
+
+
+def test_an_interrupted_save_is_cleared_before_the_step_is_written_again(
+    server: Server, root: str
+) -> None:
+    options = server.storage_options()
+    storage = CheckpointStorage(root, options)
+    stale = f"{storage.step_path(7)}/__0_0.distcp"
+    storage.fs.pipe_file(stale, b"half of an old upload")
+    with manager(root, options) as mgr:  # too young to be swept: stays a leftover
+        assert mgr.all_steps() == []
+        assert mgr.save(7, make_state(7))
+        assert differences(restored(mgr, 7), make_state(7)) == []
+    record = CommitRecord.from_json(storage.fs.cat_file(f"{storage.step_path(7)}/commit.json"))
+    sizes = {entry.path: entry.size for entry in record.files}
+    assert sizes["__0_0.distcp"] > len(b"half of an old upload")
+
+
+def test_files_larger_than_the_memory_spool_go_through_a_temporary_file(
+    server: Server,
+    root: str,
+    proxy: FaultProxy,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    monkeypatch.setattr(dcp_io, "SPOOL_MEMORY_BYTES", 4096)  # every data file spills to disk
+    monkeypatch.setattr(tempfile, "tempdir", str(spool_dir))
+    proxy.set_faults(sequence=("503", "reset", "503", "reset"), match=is_data_upload)
+    with manager(root, server.storage_options(proxy.url), num_of_threads=2) as mgr:
+        assert mgr.save(1, make_state(1, size=65536))
+        state = blank_like(make_state(1, size=65536))
+        mgr.restore(1, state)
+        assert differences(state, make_state(1, size=65536)) == []
+        record = CheckpointStorage(root, server.storage_options()).read_record(1)
+    assert proxy.count(is_data_upload, "forwarded") == 2  # two data files, each sent whole
+    assert max(f.size for f in record.files if f.path.endswith(".distcp")) > 4096
+    assert list(spool_dir.iterdir()) == []  # spools are removed after the upload
