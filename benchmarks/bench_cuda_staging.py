@@ -44,16 +44,16 @@ def check_snapshot_and_pinning(root: Path) -> list[str]:
         for tensor in state.values():
             tensor.add_(1.0)  # queued on the GPU right after save_async returned
         manager.join()
-        buffers = manager._staging._free.get()  # internal: inspect the staging buffers
-        pinned = [b.is_pinned() for b in buffers._buffers.values()]
-        pointers = {k: b.data_ptr() for k, b in buffers._buffers.items()}
+        buffers = manager._staging.acquire(timeout_s=60)  # internal: inspect the staging buffers
+        pinned = [b.is_pinned() for b in buffers.buffers.values()]
+        pointers = {k: b.data_ptr() for k, b in buffers.buffers.items()}
         manager._staging.release(buffers)
         if not pinned or not all(pinned):
             problems.append(f"staging buffers not pinned: {pinned}")
         manager.save_async(2, state)
         manager.join()
-        buffers = manager._staging._free.get()
-        reused = {k: b.data_ptr() for k, b in buffers._buffers.items()} == pointers
+        buffers = manager._staging.acquire(timeout_s=60)
+        reused = {k: b.data_ptr() for k, b in buffers.buffers.items()} == pointers
         manager._staging.release(buffers)
         if not reused:
             problems.append("staging buffers were reallocated by the second save")

@@ -1,22 +1,35 @@
-"""Save-path benchmark: ckptmgr against its baselines, measured in one process run.
+"""Save-path benchmark: ckptmgr against its floors and baselines, interleaved in one process run.
 
-Reports the median of ``--repeats`` runs (after one warm-up) for each operation and the ratios
-that matter, each against a baseline measured in the same run:
+For each workload it runs, in rounds whose method order rotates (round 0 is the first call of
+the process, reported apart; later rounds give the medians):
 
-* blocking time of ``save_async`` / a memcpy of the state into already-touched buffers (floor);
-* ``save_async`` blocking time / ``dcp.async_save`` blocking time;
-* end-to-end ``save`` / ``dcp.save`` and / a raw write+fsync of the same bytes.
+* floors: a copy of the state into preallocated, touched buffers (pinned device-to-host copy with
+  ``--device cuda``), a raw sequential write + fsync of the same bytes, a raw cold read of them;
+* baselines: ``torch.save`` (+ fsync), ``dcp.save``, ``dcp.async_save`` (thread mode),
+  ``dcp.load``;
+* ckptmgr: ``save``, ``save_async``, ``restore``.
+
+Metrics per save: blocking time, time to commit, peak extra host memory (``VmHWM`` reset through
+``/proc/self/clear_refs`` before each operation; for ckptmgr the staging memory it keeps between
+saves is added), and for async saves the cost to a training loop running on the calling thread
+while the write runs in the background: ``slowdown`` (mean step time in the background window /
+step time just before) and ``lost`` seconds (window - steps done x baseline step). Two loops: a
+compute-bound one (matmuls on one intra-op thread) and a Python-bound one (many tiny ops).
+
+Workloads: ``a`` = ``--size-mib`` MiB in ``--tensors`` float32 tensors; ``b`` = a ~100M-parameter
+MLP with AdamW state; ``c`` = ``--small`` tensors of 1 KiB in an optimizer-like nested dict.
 
 Usage::
 
-    python benchmarks/bench_save.py --size-mib 1024 --tensors 64 --repeats 3
+    python benchmarks/bench_save.py --workloads a,c --repeats 3 --json bench.json
 
-Disk speed varies between runs on shared machines: compare ratios, not absolute times.
+Disk speed varies between runs on shared machines: compare ratios within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -25,132 +38,543 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from ckptmgr import CheckpointManager
 
+Record = dict[str, float]
 
-def make_state(size_mib: int, tensors: int) -> dict[str, torch.Tensor]:
-    """``tensors`` float32 tensors that add up to ``size_mib`` MiB, filled (pages touched)."""
-    numel = size_mib * 2**20 // 4 // tensors
+
+# -- process memory -------------------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak() -> int:
+    """Reset the process's peak RSS (VmHWM) to its current RSS; returns the RSS in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:  # pragma: no cover - not Linux, or not allowed
+        pass
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    """Peak RSS (bytes) since the last :func:`reset_peak`."""
+    return _status_kib("VmHWM") * 1024
+
+
+def drop_cache(path: Path) -> None:
+    """Ask the kernel to drop ``path``'s files (recursively) from the page cache."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def du(path: Path, keep: Callable[[Path], bool] = lambda p: True) -> int:
+    """Bytes of the files under ``path`` for which ``keep`` is true."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and keep(p))
+
+
+# -- workloads --------------------------------------------------------------------------------
+class Workload:
+    """A state to save: the flat tensors (for the floors and baselines) and ckptmgr's state."""
+
+    def __init__(self, name: str, tensors: dict[str, torch.Tensor], state: dict[str, Any]):
+        self.name = name
+        self.tensors = tensors
+        self.state = state
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def workload_a(size_mib: int, count: int, device: str) -> Workload:
+    numel = size_mib * 2**20 // 4 // count
     generator = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": torch.rand(numel, generator=generator) for i in range(tensors)}
+    tensors = {
+        f"layer{i}.weight": torch.rand(numel, generator=generator).to(device) for i in range(count)
+    }
+    return Workload(f"a: {size_mib} MiB in {count} tensors", tensors, dict(tensors))
 
 
-def timed(operation: Callable[[], object]) -> float:
-    """Seconds one call of ``operation`` takes."""
-    started = time.perf_counter()
-    operation()
-    return time.perf_counter() - started
+def workload_b(device: str) -> Workload:
+    torch.manual_seed(0)
+    width, depth = 4096, 6  # 6 x 16.8M weights + biases = ~100.7M parameters
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width, device=device)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tensors: dict[str, torch.Tensor] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for name, param in model.named_parameters():
+        tensors[f"model/{name}"] = param.data
+    for param, values in optimizer.state.items():
+        for key, value in values.items():
+            tensors[f"optim/{names[id(param)]}/{key}"] = value
+    params = sum(p.numel() for p in model.parameters())
+    return Workload(
+        f"b: MLP {params / 1e6:.0f}M params + AdamW",
+        tensors,
+        {"model": model, "optim": optimizer},
+    )
 
 
-def median_of(operation: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """(first call, median of ``repeats`` later calls) in seconds."""
-    first = timed(operation)
-    return first, statistics.median(timed(operation) for _ in range(repeats))
+def workload_c(count: int, device: str) -> Workload:
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        f"optim/state/p{i // 2}/{'exp_avg' if i % 2 == 0 else 'exp_avg_sq'}": torch.rand(
+            256, generator=generator
+        ).to(device)
+        for i in range(count)
+    }
+    return Workload(f"c: {count} tensors of 1 KiB", tensors, dict(tensors))
 
 
-def raw_write(state: dict[str, torch.Tensor], directory: Path) -> None:
-    """Write every tensor's bytes to one file and fsync it: the disk's floor."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "raw.bin", "wb") as handle:
-        for tensor in state.values():
-            handle.write(memoryview(tensor.numpy()).cast("B"))
-        handle.flush()
-        os.fsync(handle.fileno())
+# -- training loops that run while a background save runs -----------------------------------------
+class Loop:
+    """One kind of training step, and its cost measured around a background save."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._a = torch.randn(384, 384)
+        self._b = torch.randn(384, 384)
+        self._small = [torch.zeros(4) for _ in range(16)]
+
+    def step(self) -> None:
+        if self.kind == "compute":
+            for _ in range(4):
+                torch.mm(self._a, self._b)
+        else:  # Python-bound: many tiny tensor ops, the CPU side of a GPU training loop
+            for _ in range(40):
+                for tensor in self._small:
+                    tensor.add_(1.0)
+
+    def baseline(self, steps: int = 30) -> float:
+        """Median step time (s) right now."""
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    def run_until(self, done: Callable[[], bool], limit_s: float) -> tuple[int, float]:
+        """Steps until ``done()``; returns (steps, seconds)."""
+        started = time.perf_counter()
+        steps = 0
+        while not done():
+            self.step()
+            steps += 1
+            if time.perf_counter() - started > limit_s:
+                raise TimeoutError(f"background save took over {limit_s} s")
+        return steps, time.perf_counter() - started
 
 
-def fresh(directory: Path) -> Path:
-    """An empty directory (removed first if present)."""
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    return directory
+# -- the measurements ----------------------------------------------------------------------
+class Bench:
+    """All methods on one workload; each method returns a record of metrics."""
+
+    def __init__(self, work: Workload, scratch: Path, device: str, threads: int) -> None:
+        self.work = work
+        self.scratch = scratch
+        self.device = device
+        self.threads = threads
+        pin = device == "cuda"
+        self.targets = {
+            k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in work.tensors.items()
+        }
+        for target in self.targets.values():
+            target.zero_()  # touched
+        self.restore_targets = {k: torch.empty_like(v) for k, v in work.tensors.items()}
+        self.manager = CheckpointManager(
+            scratch / "ckptmgr",
+            1,
+            max_to_keep=1,
+            chkpt_on_preemption=False,
+            num_of_threads=threads,
+        )
+        self.step = 0
+        self.raw = scratch / "raw.bin"
+        self.raw_write()  # a file for the read floor from round 0 on
+        self.dcp_dir = scratch / "dcp-load"
+        dcp.save(work.tensors, checkpoint_id=self.dcp_dir)
+        self.loops = {"compute": Loop("compute"), "python": Loop("python")}
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def fresh(self, name: str) -> Path:
+        path = self.scratch / name
+        shutil.rmtree(path, ignore_errors=True)
+        return path
+
+    # floors
+    def memcpy(self) -> Record:
+        targets, sources = list(self.targets.values()), list(self.work.tensors.values())
+        reset_peak()
+        started = time.perf_counter()
+        if self.device == "cuda":
+            for target, source in zip(targets, sources, strict=True):
+                target.copy_(source, non_blocking=True)
+            torch.cuda.synchronize()
+        else:
+            torch._foreach_copy_(targets, sources)
+        return {"blocking": time.perf_counter() - started}
+
+    def raw_write(self) -> Record:
+        started = time.perf_counter()
+        with open(self.raw, "wb") as handle:
+            for tensor in self.targets.values():
+                handle.write(memoryview(tensor.numpy()).cast("B"))
+            handle.flush()
+            os.fsync(handle.fileno())
+        return {"blocking": time.perf_counter() - started}
+
+    def raw_read(self) -> Record:
+        drop_cache(self.raw)
+        started = time.perf_counter()
+        with open(self.raw, "rb", buffering=0) as handle:
+            for tensor in self.restore_targets.values():
+                view = memoryview(tensor.numpy()).cast("B") if self.device == "cpu" else None
+                if view is None:
+                    handle.read(tensor.numel() * tensor.element_size())
+                else:
+                    handle.readinto(view)
+        return {"blocking": time.perf_counter() - started}
+
+    # baselines
+    def torch_save(self) -> Record:
+        path = self.fresh("torch.pt")
+        rss = reset_peak()
+        started = time.perf_counter()
+        with open(path, "wb") as handle:
+            torch.save(self.work.tensors, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        took = time.perf_counter() - started
+        path.unlink()
+        return {"blocking": took, "commit": took, "extra_mem": peak_rss() - rss}
+
+    def dcp_save(self) -> Record:
+        path = self.fresh("dcp")
+        rss = reset_peak()
+        started = time.perf_counter()
+        dcp.save(self.work.tensors, checkpoint_id=path)
+        took = time.perf_counter() - started
+        record = {"blocking": took, "commit": took, "extra_mem": peak_rss() - rss}
+        record.update(self._footprint(path, lambda p: p.suffix == ".distcp"))
+        shutil.rmtree(path)
+        return record
+
+    def dcp_load(self) -> Record:
+        drop_cache(self.dcp_dir)
+        started = time.perf_counter()
+        dcp.load(self.restore_targets, checkpoint_id=self.dcp_dir)
+        return {"blocking": time.perf_counter() - started}
+
+    def dcp_async(self, loop: str | None = None) -> Record:
+        path = self.fresh("dcp-async")
+        return self._async(
+            lambda: dcp.async_save(self.work.tensors, checkpoint_id=path),
+            lambda future: future.done(),
+            lambda future: future.result(),
+            loop,
+            cleanup=lambda: shutil.rmtree(path, ignore_errors=True),
+        )
+
+    # ckptmgr
+    def ckpt_save(self) -> Record:
+        self.step += 1
+        rss = reset_peak()
+        started = time.perf_counter()
+        self.manager.save(self.step, self.work.state)
+        took = time.perf_counter() - started
+        record = {"blocking": took, "commit": took, "extra_mem": peak_rss() - rss}
+        record.update(self._footprint(self._step_dir(), lambda p: p.suffix == ".distcp"))
+        return record
+
+    def ckpt_async(self, loop: str | None = None) -> Record:
+        self.step += 1
+        step = self.step
+        held = self.manager._staging.nbytes  # internal: staging memory kept between saves
+        record = self._async(
+            lambda: self.manager.save_async(step, self.work.state),
+            lambda _: step in self.manager.all_steps(),
+            lambda _: self.manager.join(),
+            loop,
+        )
+        record["extra_mem"] += held
+        return record
+
+    def ckpt_restore(self) -> Record:
+        drop_cache(self.scratch / "ckptmgr")
+        state = self.work.state
+        if state is self.work.tensors or set(state) == set(self.work.tensors):
+            state = self.restore_targets
+        started = time.perf_counter()
+        self.manager.restore(self.manager.latest_step(), state)
+        return {"blocking": time.perf_counter() - started}
+
+    def _step_dir(self) -> Path:
+        dirs = [p for p in (self.scratch / "ckptmgr").iterdir() if p.is_dir()]
+        return max(dirs, key=lambda p: p.stat().st_mtime)
+
+    def _footprint(self, path: Path, is_data: Callable[[Path], bool]) -> Record:
+        data = du(path, is_data)
+        return {"data_bytes": data, "meta_bytes": du(path) - data}
+
+    def _async(
+        self,
+        start: Callable[[], Any],
+        done: Callable[[Any], bool],
+        wait: Callable[[Any], Any],
+        loop: str | None,
+        cleanup: Callable[[], None] = lambda: None,
+    ) -> Record:
+        record: Record = {}
+        old_threads = torch.get_num_threads()
+        base = 0.0
+        if loop:  # the loop runs on one intra-op thread, its baseline too
+            torch.set_num_threads(1)
+            base = self.loops[loop].baseline()
+            torch.set_num_threads(old_threads)
+        rss = reset_peak()
+        started = time.perf_counter()
+        handle = start()
+        record["blocking"] = time.perf_counter() - started
+        if loop:
+            torch.set_num_threads(1)
+            try:
+                steps, window = self.loops[loop].run_until(lambda: done(handle), 600)
+            finally:
+                torch.set_num_threads(old_threads)
+            wait(handle)
+            total = time.perf_counter() - started
+            record["slowdown"] = (window / steps) / base if steps else float("inf")
+            record["lost"] = total - steps * base
+            record["window"] = total
+        else:
+            wait(handle)
+            record["commit"] = time.perf_counter() - started
+        record["extra_mem"] = peak_rss() - rss
+        cleanup()
+        return record
+
+
+def run_workload(work: Workload, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    bench = Bench(work, scratch, args.device, args.threads)
+    methods: list[tuple[str, Callable[[], Record]]] = [
+        ("floor: memcpy", bench.memcpy),
+        ("floor: raw write+fsync", bench.raw_write),
+        ("floor: raw read (cold)", bench.raw_read),
+        ("torch.save", bench.torch_save),
+        ("dcp.save", bench.dcp_save),
+        ("dcp.async_save", bench.dcp_async),
+        ("dcp.load", bench.dcp_load),
+        ("ckptmgr save", bench.ckpt_save),
+        ("ckptmgr save_async", bench.ckpt_async),
+        ("ckptmgr restore", bench.ckpt_restore),
+    ]
+    for loop in args.loops:
+        methods.append((f"dcp.async_save + {loop} loop", lambda loop=loop: bench.dcp_async(loop)))
+        methods.append(
+            (f"ckptmgr save_async + {loop} loop", lambda loop=loop: bench.ckpt_async(loop))
+        )
+    if args.skip:
+        methods = [(n, m) for n, m in methods if n not in args.skip]
+    rounds: dict[str, list[Record]] = {name: [] for name, _ in methods}
+    # round 0 in a fixed order: the first dcp.async_save and the first ckptmgr save_async both
+    # come before any other save of their kind, so they are first calls of the process
+    for index in range(args.repeats + 1):
+        order = (
+            methods
+            if index == 0
+            else methods[index % len(methods) :] + methods[: index % len(methods)]
+        )
+        for name, method in order:
+            record = method()
+            rounds[name].append(record)
+            print(
+                f"  [{work.name}] round {index} {name}: "
+                + ", ".join(f"{k}={v:.3f}" for k, v in record.items()),
+                flush=True,
+            )
+    leak: list[int] = []
+    if args.leak_saves:
+        for _ in range(args.leak_saves):
+            bench.ckpt_async()
+            leak.append(reset_peak())
+    bench.close()
+    summary: dict[str, Any] = {
+        "workload": work.name,
+        "state_bytes": work.nbytes,
+        "tensors": len(work.tensors),
+        "methods": {},
+    }
+    for name, records in rounds.items():
+        first, later = records[0], records[1:] or records
+        keys = sorted({k for r in later for k in r})
+        summary["methods"][name] = {
+            "first": first,
+            "median": {k: statistics.median(r[k] for r in later if k in r) for k in keys},
+            "all": records,
+        }
+    if leak:
+        slope = (leak[-1] - leak[len(leak) // 2]) / max(1, len(leak) - 1 - len(leak) // 2)
+        summary["leak"] = {"rss_after_each_save": leak, "growth_per_save": slope}
+    return summary
+
+
+def report(summary: dict[str, Any]) -> str:
+    """A markdown table of medians and the ratios to the floors for one workload."""
+    m = summary["methods"]
+    size = summary["state_bytes"]
+    get = lambda name, key, which="median": m.get(name, {}).get(which, {}).get(key)  # noqa: E731
+    lines = [
+        f"\n### {summary['workload']} ({size / 2**20:.0f} MiB, {summary['tensors']} tensors)\n"
+    ]
+    lines.append(
+        "| method | first blocking s | blocking s | commit s | extra mem / state | "
+        "slowdown x | lost s | data / tensor bytes |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for name in m:
+
+        def fmt(value: float | None, spec: str = ".3f") -> str:
+            return "" if value is None else format(value, spec)
+
+        mem = get(name, "extra_mem")
+        data = get(name, "data_bytes")
+        lines.append(
+            f"| {name} | {fmt(get(name, 'blocking', 'first'))} | {fmt(get(name, 'blocking'))} | "
+            f"{fmt(get(name, 'commit'))} | {fmt(None if mem is None else mem / size, '.2f')} | "
+            f"{fmt(get(name, 'slowdown'), '.2f')} | {fmt(get(name, 'lost'))} | "
+            f"{fmt(None if data is None else data / size, '.2f')} |"
+        )
+    floor_copy = get("floor: memcpy", "blocking")
+    floor_write = get("floor: raw write+fsync", "blocking")
+    floor_read = get("floor: raw read (cold)", "blocking")
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+    lines.append("\n| ratio (same run, medians) | value |\n|---|---|")
+    rows = [
+        ("save_async blocking / memcpy floor", get("ckptmgr save_async", "blocking"), floor_copy),
+        (
+            "save_async first blocking / dcp.async_save first blocking",
+            get("ckptmgr save_async", "blocking", "first"),
+            get("dcp.async_save", "blocking", "first"),
+        ),
+        (
+            "save_async blocking / dcp.async_save blocking",
+            get("ckptmgr save_async", "blocking"),
+            get("dcp.async_save", "blocking"),
+        ),
+        ("dcp.async_save blocking / memcpy floor", get("dcp.async_save", "blocking"), floor_copy),
+        (
+            "save_async to commit / raw write floor",
+            get("ckptmgr save_async", "commit"),
+            floor_write,
+        ),
+        ("save / raw write floor", get("ckptmgr save", "commit"), floor_write),
+        ("dcp.save / raw write floor", get("dcp.save", "commit"), floor_write),
+        ("restore / raw read floor", get("ckptmgr restore", "blocking"), floor_read),
+        ("restore / dcp.load", get("ckptmgr restore", "blocking"), get("dcp.load", "blocking")),
+        ("save_async extra memory / state", get("ckptmgr save_async", "extra_mem"), size),
+        ("dcp.async_save extra memory / state", get("dcp.async_save", "extra_mem"), size),
+    ]
+    for label, a, b in rows:
+        lines.append(f"| {label} | {ratio(a, b)} |")
+    count = summary["tensors"]
+    blocking = get("ckptmgr save_async", "blocking")
+    if blocking is not None:
+        lines.append(f"| save_async blocking per tensor | {blocking / count * 1e6:.1f} µs |")
+    dcp_block = get("dcp.async_save", "blocking")
+    if dcp_block is not None:
+        lines.append(f"| dcp.async_save blocking per tensor | {dcp_block / count * 1e6:.1f} µs |")
+    if "leak" in summary:
+        growth = summary["leak"]["growth_per_save"]
+        saves = len(summary["leak"]["rss_after_each_save"])
+        lines.append(
+            f"| RSS growth per save_async (second half of {saves} saves) / state | "
+            f"{growth / size * 100:.2f}% |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
-    """Run every measurement and print a markdown table."""
+    """Run every workload and print markdown tables; write JSON with ``--json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="a,c", help="comma-separated: a, b, c")
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--tensors", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--small", type=int, default=20_000)
+    parser.add_argument("--repeats", type=int, default=3, help="measured rounds after round 0")
+    parser.add_argument("--small-repeats", type=int, default=2, help="rounds for workload c")
+    parser.add_argument("--loops", default="compute,python", help="loops run during saves")
+    parser.add_argument("--skip", default="", help="comma-separated method names to leave out")
+    parser.add_argument("--threads", type=int, default=1, help="num_of_threads for ckptmgr")
+    parser.add_argument("--leak-saves", type=int, default=0, help="extra save_async (workload a)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: tmp)")
+    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    scratch = Path(args.dir or tempfile.mkdtemp(prefix="ckptmgr-bench-"))
-    state = make_state(args.size_mib, args.tensors)
-    results: dict[str, tuple[float, float]] = {}
-
-    targets = [torch.empty_like(v) for v in state.values()]
-    sources = list(state.values())
-    results["memcpy into touched buffers"] = median_of(
-        lambda: torch._foreach_copy_(targets, sources), 3
+    args.loops = [x for x in args.loops.split(",") if x]
+    args.skip = [x for x in args.skip.split(",") if x]
+    scratch_root = Path(args.dir or tempfile.mkdtemp(prefix="ckptmgr-bench-"))
+    machine = (
+        f"torch {torch.__version__}; {os.cpu_count()} CPUs; {platform.platform()}; "
+        f"loadavg at start {os.getloadavg()}"
     )
-
-    results["raw write + fsync"] = median_of(lambda: raw_write(state, fresh(scratch / "raw")), 2)
-    results["torch.save"] = median_of(
-        lambda: torch.save(state, fresh(scratch / "ts") / "state.pt"), args.repeats
-    )
-    results["dcp.save"] = median_of(
-        lambda: dcp.save(state, checkpoint_id=fresh(scratch / "dcp")), args.repeats
-    )
-
-    futures: list[object] = []
-
-    def dcp_async_blocking() -> None:
-        futures.append(dcp.async_save(state, checkpoint_id=fresh(scratch / "dcpa")))
-
-    def dcp_async_wait() -> None:
-        futures.pop().result()  # type: ignore[attr-defined]
-
-    async_block, async_wait = [], []
-    for _ in range(args.repeats + 1):
-        async_block.append(timed(dcp_async_blocking))
-        async_wait.append(timed(dcp_async_wait))
-    results["dcp.async_save blocking"] = (async_block[0], statistics.median(async_block[1:]))
-
-    manager_dir = fresh(scratch / "ckptmgr")
-    with CheckpointManager(manager_dir, 1, max_to_keep=1, chkpt_on_preemption=False) as manager:
-        step = iter(range(10**6))
-        results["ckptmgr save"] = median_of(lambda: manager.save(next(step), state), args.repeats)
-        blocking, total = [], []
-        for _ in range(args.repeats + 1):
-            started = time.perf_counter()
-            manager.save_async(next(step), state)
-            blocking.append(time.perf_counter() - started)
-            manager.join()
-            total.append(time.perf_counter() - started)
-        results["ckptmgr save_async blocking"] = (blocking[0], statistics.median(blocking[1:]))
-        results["ckptmgr save_async to commit"] = (total[0], statistics.median(total[1:]))
-    shutil.rmtree(scratch, ignore_errors=True)
-
-    print(
-        f"\nstate: {args.size_mib} MiB in {args.tensors} float32 tensors; "
-        f"torch {torch.__version__}; {os.cpu_count()} CPUs; {platform.platform()}\n"
-    )
-    print("| operation | first call (s) | median of later calls (s) |")
-    print("|---|---|---|")
-    for name, (first, later) in results.items():
-        print(f"| {name} | {first:.3f} | {later:.3f} |")
-
-    def ratio(a: str, b: str) -> str:
-        return f"{results[a][1] / results[b][1]:.2f}x"
-
-    print("\n| ratio (medians of later calls) | value |")
-    print("|---|---|")
-    print(
-        f"| save_async blocking / memcpy floor | "
-        f"{ratio('ckptmgr save_async blocking', 'memcpy into touched buffers')} |"
-    )
-    print(
-        f"| save_async blocking / dcp.async_save blocking | "
-        f"{ratio('ckptmgr save_async blocking', 'dcp.async_save blocking')} |"
-    )
-    print(f"| save / dcp.save | {ratio('ckptmgr save', 'dcp.save')} |")
-    print(f"| save / raw write + fsync | {ratio('ckptmgr save', 'raw write + fsync')} |")
-    print(
-        f"| save_async to commit / dcp.save | {ratio('ckptmgr save_async to commit', 'dcp.save')} |"
-    )
+    results = []
+    try:
+        for name in args.workloads.split(","):
+            scratch = scratch_root / name
+            scratch.mkdir(parents=True, exist_ok=True)
+            repeats = args.repeats
+            if name == "a":
+                work = workload_a(args.size_mib, args.tensors, args.device)
+            elif name == "b":
+                work = workload_b(args.device)
+            else:
+                work = workload_c(args.small, args.device)
+                repeats = args.small_repeats
+            run_args = argparse.Namespace(**{**vars(args), "repeats": repeats})
+            if name != "a":
+                run_args.leak_saves = 0
+            results.append(run_workload(work, run_args, scratch))
+            shutil.rmtree(scratch, ignore_errors=True)
+            del work
+    finally:
+        shutil.rmtree(scratch_root, ignore_errors=True)
+    print(f"\n{machine}; loadavg at end {os.getloadavg()}")
+    for summary in results:
+        print(report(summary))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": machine,
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -1,15 +1,40 @@
 """Copying a state's tensors into reusable host buffers before a background write.
 
-Each in-flight async save owns one :class:`StagingBuffers`. Buffers are allocated on the first
-save and reused by later saves of tensors with the same shape and dtype, so steady-state staging
-is one bulk copy (``torch._foreach_copy_``) with no allocation and no page faults.
+Each in-flight async save owns one :class:`StagingBuffers` (a *slot*). A slot keeps one host
+**arena**: a single anonymous memory mapping that holds every staged tensor at a 64-byte aligned
+offset. Each staged tensor is a ``torch.frombuffer`` slice of the arena, so it owns a storage of
+exactly its own size (DCP's writer then writes it as it is, with no extra clone), while the whole
+state costs one allocation.
+
+* **Reuse.** The arena is allocated on the first save and reused by later saves; steady-state
+  staging is one bulk copy (``torch._foreach_copy_``) into memory whose pages are already touched,
+  with no allocation, no page faults and no per-tensor Python work beyond collecting the sources.
+  The layout (the views into the arena) is cached and rebuilt only when the state's structure
+  (keys, shapes, dtypes, devices, storage sharing) changes.
+* **Shape changes.** A new layout reuses the arena when it fits and uses at least half of it;
+  otherwise the arena is replaced (grown or shrunk) and the old one is freed.
+* **Views of one storage** (tied weights, slices of one flat parameter) are staged once: the
+  covered byte range of the storage is copied into one arena region and every view is rebuilt on
+  top of it with its own offset and strides.
+* **CUDA.** When a source is on CUDA the arena is pinned (``cudaHostRegister``); device tensors
+  are copied with ``non_blocking`` copies on a side stream that waits for the current stream,
+  followed by one synchronisation.
+* **DTensor.** Only the local shard is copied; the staged value is a DTensor with the original
+  spec whose local tensor lives in host memory.
+* **Budget.** :class:`StagingPool` bounds the host memory of all slots together
+  (``budget_bytes``). A save that would exceed it first frees idle slots' arenas, then waits for
+  in-flight saves to release theirs (back-pressure instead of running out of memory).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import mmap
+import threading
 import time
+import weakref
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +45,11 @@ try:
 except ImportError:  # pragma: no cover - torch without DTensor
     DTensor = None  # type: ignore[assignment,misc]
 
+ALIGN = 64
+"""Byte alignment of every region in an arena (a multiple of every dtype's item size)."""
+
+_WAIT_LOG_S = 10.0  # while waiting for budget, log again after this many seconds
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     if DTensor is not None and isinstance(tensor, DTensor):
@@ -27,50 +57,248 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class StagingBuffers:
-    """Host copies of one state's tensors, reused from save to save."""
+def _aligned(size: int) -> int:
+    return (size + ALIGN - 1) // ALIGN * ALIGN
 
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+
+class _Arena:
+    """One anonymous private mapping of ``size`` bytes, pinned for CUDA when asked."""
+
+    def __init__(self, size: int, pin: bool) -> None:
+        self.size = size
+        self.pinned = False
+        self._map = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if pin:
+            self.pinned = _register_pinned(self._map, size)
+
+    def region(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over ``nbytes`` bytes at ``offset``, with a storage of its own."""
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+
+    def touch(self) -> None:
+        """Fault every page in now (one write per page), so the first copy runs at full speed."""
+        if self.size:
+            whole = self.region(0, self.size)
+            whole[:: mmap.PAGESIZE].zero_()
+
+
+def _register_pinned(mapping: mmap.mmap, size: int) -> bool:
+    """Page-lock ``mapping`` with ``cudaHostRegister``; False (unpinned) if that fails."""
+    if size == 0 or not torch.cuda.is_available():
+        return False
+    pointer = torch.frombuffer(mapping, dtype=torch.uint8, count=size).data_ptr()
+    try:
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(pointer, size, 0)) != 0:
+            log.warning("cudaHostRegister of %d bytes failed; staging unpinned", size)
+            return False
+    except Exception as exc:  # pragma: no cover - depends on the CUDA runtime
+        log.warning("could not pin %d staging bytes (%s); staging unpinned", size, exc)
+        return False
+    weakref.finalize(mapping, _unregister_pinned, pointer)
+    return True
+
+
+def _unregister_pinned(pointer: int) -> None:  # pragma: no cover - CUDA only
+    try:
+        torch.cuda.cudart().cudaHostUnregister(pointer)
+    except Exception:
+        pass
+
+
+@dataclass
+class _Layout:
+    """Where each staged tensor lives in an arena, for one state structure."""
+
+    signature: Hashable
+    nbytes: int
+    pin: bool
+    # (region offset, region bytes, source byte start) per copy unit; a unit is one tensor or
+    # the covered byte range of a storage shared by several tensors.
+    units: list[tuple[int, int, int]]
+    # per key: (unit index, None) for a tensor copied on its own, or (unit index, view spec) for
+    # a view rebuilt on a shared region: (dtype, shape, stride, element offset in the region).
+    entries: dict[str, tuple[int, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]]
+    shared: list[bool]  # per unit: True when it is a shared-storage byte range
+    unit_keys: list[str]  # per unit: the key whose source storage the unit is copied from
+
+
+class StagingBuffers:
+    """Host copies of one state's tensors, reused from save to save (one slot of the pool)."""
+
+    def __init__(self, pool: StagingPool | None = None) -> None:
+        self._pool = pool
+        self._arena: _Arena | None = None
+        self._layout: _Layout | None = None
+        self._staged: dict[str, torch.Tensor] = {}  # cached views into the arena, per key
+        self._unit_dst: list[torch.Tensor] = []  # destination region of each unit
+        self._empty: dict[str, torch.Tensor] = {}  # zero-element tensors (no arena bytes)
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes this slot holds (its arena's size)."""
+        return self._arena.size if self._arena is not None else 0
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The staged host tensors of the last save, keyed like its state (local shards)."""
+        return dict(self._staged)
+
+    def free(self) -> None:
+        """Drop the arena and the cached layout (the memory goes once no staged view is left)."""
+        self._arena = None
+        self._layout = None
+        self._staged = {}
+        self._unit_dst = []
+        self._empty = {}
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy ``tensors`` into the buffers and return the copies, keyed like ``tensors``.
+        """Copy ``tensors`` into the arena and return the copies, keyed like ``tensors``.
 
-        The copies are plain contiguous CPU tensors. A DTensor's local shard is copied (never the
-        global tensor) and re-wrapped as a DTensor with the same mesh and placements, whose local
-        tensor stays in host memory. When this returns, the caller may modify the originals freely.
+        The copies are CPU tensors (each with a storage of its own, except views that shared a
+        storage in ``tensors``, which share one region here too). A DTensor's local shard is
+        copied (never the global tensor) and re-wrapped as a DTensor with the same mesh and
+        placements, whose local tensor stays in host memory. When this returns, the caller may
+        modify the originals freely.
         """
-        if self._buffers.keys() - tensors.keys():
-            self._buffers = {k: v for k, v in self._buffers.items() if k in tensors}
+        sources = {key: _local(tensor).detach() for key, tensor in tensors.items()}
+        signature = _signature(sources)
+        if self._layout is None or self._layout.signature != signature:
+            self._relayout(signature, sources)
+        layout = self._layout
+        assert layout is not None
+        self._copy(layout, sources)
+        staged: dict[str, torch.Tensor] = {}
+        for key, tensor in tensors.items():
+            buffer = self._staged.get(key)
+            if buffer is None:
+                buffer = self._empty[key]
+            staged[key] = self._rewrap(tensor, buffer)
+        return staged
+
+    # -- layout ----------------------------------------------------------------------------------
+    def _relayout(self, signature: Hashable, sources: dict[str, torch.Tensor]) -> None:
+        by_storage: dict[tuple[str, int], list[str]] = {}
+        for key, source in sources.items():
+            if source.numel() == 0:
+                continue
+            by_storage.setdefault(_storage_id(source), []).append(key)
+        units: list[tuple[int, int, int]] = []
+        shared: list[bool] = []
+        unit_keys: list[str] = []
+        entries: dict[str, tuple[int, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]]
+        entries = {}
+        offset = 0
+        for keys in by_storage.values():
+            if len(keys) == 1:
+                source = sources[keys[0]]
+                size = source.numel() * source.element_size()
+                entries[keys[0]] = (len(units), (source.dtype, tuple(source.shape), (), -1))
+                units.append((offset, size, 0))
+                shared.append(False)
+                unit_keys.append(keys[0])
+                offset += _aligned(size)
+                continue
+            lows, highs = [], []
+            for key in keys:
+                low, high = _byte_extent(sources[key])
+                lows.append(low)
+                highs.append(high)
+            start = min(lows) // 16 * 16  # keeps every view's offset a multiple of its item size
+            size = max(highs) - start
+            for key in keys:
+                source = sources[key]
+                element = (source.storage_offset() * source.element_size() - start) // (
+                    source.element_size()
+                )
+                spec = (source.dtype, tuple(source.shape), tuple(source.stride()), element)
+                entries[key] = (len(units), spec)
+            units.append((offset, size, start))
+            shared.append(True)
+            unit_keys.append(keys[0])
+            offset += _aligned(size)
+        pin = any(source.device.type == "cuda" for source in sources.values())
+        self._ensure_arena(offset, pin)
+        arena = self._arena
+        assert arena is not None
+        unit_dst = [arena.region(off, size) for off, size, _ in units]
+        staged: dict[str, torch.Tensor] = {}
+        for key, (unit, (dtype, shape, stride, element)) in entries.items():
+            region = unit_dst[unit]
+            if not shared[unit]:
+                staged[key] = region.view(dtype).view(shape)
+            else:
+                view = torch.empty(0, dtype=dtype)
+                view.set_(region.untyped_storage(), element, shape, stride)
+                staged[key] = view
+        self._empty = {
+            key: torch.empty(source.shape, dtype=source.dtype)
+            for key, source in sources.items()
+            if source.numel() == 0
+        }
+        self._layout = _Layout(signature, offset, pin, units, entries, shared, unit_keys)
+        self._unit_dst = unit_dst
+        self._staged = staged
+
+    def _ensure_arena(self, needed: int, pin: bool) -> None:
+        """Keep the arena if ``needed`` fits and uses at least half of it, else replace it."""
+        arena = self._arena
+        if arena is not None and arena.pinned == (pin and torch.cuda.is_available()):
+            if needed <= arena.size and needed * 2 >= arena.size:
+                return
+        old = self.nbytes
+        self.free()
+        if self._pool is not None:
+            self._pool._reserve(self, needed, old)
+        arena = _Arena(needed, pin)
+        if not arena.pinned:
+            arena.touch()  # cudaHostRegister already faulted a pinned arena in
+        self._arena = arena
+
+    # -- copying ---------------------------------------------------------------------------------
+    def _copy(self, layout: _Layout, sources: dict[str, torch.Tensor]) -> None:
         host_dst: list[torch.Tensor] = []
         host_src: list[torch.Tensor] = []
         device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        staged: dict[str, torch.Tensor] = {}
-        for key, tensor in tensors.items():
-            source = _local(tensor).detach()
-            buffer = self._buffer_for(key, source)
-            if source.device.type == "cpu":
-                host_dst.append(buffer)
-                host_src.append(source)
+        for unit, key in enumerate(layout.unit_keys):
+            source = sources[key]
+            if layout.shared[unit]:  # the covered bytes of a shared storage, copied once
+                _, size, start = layout.units[unit]
+                src = torch.empty(0, dtype=torch.uint8, device=source.device)
+                src.set_(source.untyped_storage(), start, (size,), (1,))
+                dst = self._unit_dst[unit]
             else:
-                device_pairs.append((buffer, source))
-            staged[key] = self._rewrap(tensor, buffer)
+                src = source
+                dst = self._staged[key]
+            if source.device.type == "cpu":
+                host_dst.append(dst)
+                host_src.append(src)
+            else:
+                device_pairs.append((dst, src))
         if host_dst:
             torch._foreach_copy_(host_dst, host_src)
         if device_pairs:
-            for buffer, source in device_pairs:
-                buffer.copy_(source, non_blocking=buffer.is_pinned())
-            for device in {source.device for _, source in device_pairs}:
-                torch.get_device_module(device).synchronize(device)
-        return staged
+            self._copy_from_devices(device_pairs)
 
-    def _buffer_for(self, key: str, source: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            pin = source.device.type == "cuda" and torch.cuda.is_available()
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin)
-            self._buffers[key] = buffer
-        return buffer
+    def _copy_from_devices(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Device-to-host copies: non-blocking on a side stream, then one synchronisation."""
+        cuda_pairs = [(d, s) for d, s in pairs if s.device.type == "cuda"]
+        other_pairs = [(d, s) for d, s in pairs if s.device.type != "cuda"]
+        if cuda_pairs:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            stream = self._stream
+            for device in {s.device for _, s in cuda_pairs}:
+                stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for dst, src in cuda_pairs:
+                    dst.copy_(src, non_blocking=dst.is_pinned())
+            stream.synchronize()
+        for dst, src in other_pairs:
+            dst.copy_(src)
+        for device in {s.device for _, s in other_pairs}:
+            torch.get_device_module(device).synchronize(device)
 
     @staticmethod
     def _rewrap(original: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
@@ -84,27 +312,134 @@ class StagingBuffers:
         return buffer
 
 
-class StagingPool:
-    """``slots`` sets of staging buffers; taking one is what bounds in-flight async saves."""
+def _storage_id(tensor: torch.Tensor) -> tuple[str, int]:
+    """Identifies the storage ``tensor`` views (device and base address)."""
+    return (str(tensor.device), tensor.untyped_storage().data_ptr())
 
-    def __init__(self, slots: int) -> None:
-        self._free: queue.SimpleQueue[StagingBuffers] = queue.SimpleQueue()
-        for _ in range(slots):
-            self._free.put(StagingBuffers())
 
-    def acquire(self, on_wait: str = "") -> StagingBuffers:
-        """A free buffer set, waiting (and logging how long) if all are in flight."""
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            pass
-        started = time.perf_counter()
-        buffers = self._free.get()
-        log.info(
-            "waited %.3f s for a free async save slot%s", time.perf_counter() - started, on_wait
+def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """[low, high) byte range of ``tensor``'s storage that it can touch."""
+    size = tensor.element_size()
+    low = tensor.storage_offset() * size
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True) if n > 0)
+    return low, low + (last + 1) * size
+
+
+def _signature(sources: dict[str, torch.Tensor]) -> Hashable:
+    """Everything the layout depends on: keys, dtypes, shapes, devices and storage sharing."""
+    storages: dict[tuple[str, int], int] = {}
+    parts = []
+    for key, source in sources.items():
+        group = storages.setdefault(_storage_id(source), len(storages))
+        parts.append(
+            (key, source.dtype, source.shape, source.stride(), source.storage_offset(), group)
         )
-        return buffers
+        parts.append(source.device)
+    return tuple(parts)
+
+
+class StagingPool:
+    """``slots`` staging buffer sets whose host memory together stays within ``budget_bytes``.
+
+    Taking a slot is what bounds in-flight async saves. ``budget_bytes=None`` puts no bound
+    beyond the slots (``slots`` copies of the state; one with the default single slot). With a
+    budget, a slot that must grow its arena first frees idle slots, then waits until in-flight
+    saves have released enough; a state bigger than the budget on its own is staged anyway once
+    nothing else holds memory (with a warning), since waiting longer could not help.
+    """
+
+    def __init__(self, slots: int, budget_bytes: int | None = None) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0 or None, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._all = [StagingBuffers(self) for _ in range(slots)]
+        self._free: list[StagingBuffers] = list(self._all)
+        self._cond = threading.Condition()
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held by all slots together."""
+        with self._cond:
+            return sum(slot.nbytes for slot in self._all)
+
+    def acquire(self, on_wait: str = "", timeout_s: float | None = None) -> StagingBuffers:
+        """A free buffer set, waiting (and logging how long) if all are in flight.
+
+        Raises ``TimeoutError`` after ``timeout_s`` seconds (None: wait as long as it takes,
+        which is until a background write ends: every write releases its slot when it ends).
+        """
+        started = time.perf_counter()
+        with self._cond:
+            if not self._wait_for(lambda: bool(self._free), timeout_s, "a free slot" + on_wait):
+                raise TimeoutError(f"no free staging slot within {timeout_s} s{on_wait}")
+            # The most recently released slot first: its arena is likeliest to fit this state.
+            slot = self._free.pop()
+        waited = time.perf_counter() - started
+        if waited > 0.001:
+            log.info("waited %.3f s for a free async save slot%s", waited, on_wait)
+        return slot
 
     def release(self, buffers: StagingBuffers) -> None:
         """Return a buffer set once its write has finished."""
-        self._free.put(buffers)
+        with self._cond:
+            self._free.append(buffers)
+            self._cond.notify_all()
+
+    def _reserve(self, slot: StagingBuffers, needed: int, old: int) -> None:
+        """Called by ``slot`` (in flight, its old arena of ``old`` bytes dropped) before it
+        allocates ``needed`` bytes: keep all slots within the budget."""
+        if self.budget_bytes is None:
+            return
+        budget = self.budget_bytes
+        with self._cond:
+
+            def others() -> int:
+                return sum(s.nbytes for s in self._all if s is not slot)
+
+            if others() + needed > budget:
+                for idle in self._free:  # idle arenas go first: they only save a reallocation
+                    if idle is not slot and idle.nbytes:
+                        idle.free()
+                    if others() + needed <= budget:
+                        break
+
+            def fits_or_alone() -> bool:
+                busy = [s for s in self._all if s is not slot and s not in self._free]
+                return others() + needed <= budget or not any(s.nbytes for s in busy)
+
+            if not fits_or_alone():
+                started = time.perf_counter()
+                self._wait_for(fits_or_alone, None, "staging memory budget")
+                log.info(
+                    "waited %.3f s for %d bytes of staging memory (budget %d)",
+                    time.perf_counter() - started,
+                    needed,
+                    budget,
+                )
+                for idle in self._free:
+                    if idle is not slot and others() + needed > budget:
+                        idle.free()
+            if needed > budget:
+                log.warning(
+                    "staging needs %d bytes, more than staging_budget_bytes=%d; staging anyway "
+                    "(nothing else holds staging memory)",
+                    needed,
+                    budget,
+                )
+
+    def _wait_for(self, ready: Callable[[], bool], timeout_s: float | None, what: str) -> bool:
+        """Wait on the condition (held) until ``ready()``; False on timeout. Logs long waits."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        logged = time.monotonic()
+        while not ready():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return False
+            step = _WAIT_LOG_S if deadline is None else min(_WAIT_LOG_S, deadline - now)
+            self._cond.wait(step)
+            if time.monotonic() - logged >= _WAIT_LOG_S and not ready():
+                log.info("still waiting for %s", what)
+                logged = time.monotonic()
+        return True
