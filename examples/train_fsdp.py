@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,12 @@ def main() -> None:
     parser.add_argument("--dir", default="checkpoints/fsdp", help="checkpoint path or URL")
     parser.add_argument("--steps", type=int, default=20, help="train up to this step")
     parser.add_argument("--save-every", type=int, default=3, help="save every N steps")
+    parser.add_argument(
+        "--storage-options",
+        type=json.loads,
+        default={},
+        help='fsspec options as JSON, e.g. \'{"project": "my-project"}\' for gs://',
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -107,7 +114,12 @@ def main() -> None:
         if rank == 0:
             print(message, flush=True)
 
-    with CheckpointManager(args.dir, save_interval=args.save_every, max_to_keep=2) as mgr:
+    with CheckpointManager(
+        args.dir,
+        save_interval=args.save_every,
+        max_to_keep=2,
+        storage_options=args.storage_options,
+    ) as mgr:
         latest = mgr.latest_step()
         if latest is None:
             say(f"starting fresh, world size {world_size}")
