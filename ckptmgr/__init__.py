@@ -7,7 +7,7 @@ Everything public is importable from here::
 
 from ckptmgr._version import __version__
 from ckptmgr.config import CheckpointConfig
-from ckptmgr.errors import CheckpointError, StepNotFoundError
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptmgr.manager import CheckpointManager
 from ckptmgr.module_state import OptimizerState
 from ckptmgr.optimizer import prime_optimizer
@@ -49,6 +49,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CommitRecord",
+    "CorruptCheckpointError",
     "KeepAll",
     "KeepBest",
     "KeepEveryNSeconds",

@@ -1,4 +1,4 @@
-"""The ``ckptmgr`` command line: list, inspect, prune, export and delete checkpoints.
+"""The ``ckptmgr`` command line: list, inspect, verify, prune, export and delete checkpoints.
 
 Every command reads the same storage layout the manager writes (see ``docs/format.md``), under a
 local path or any fsspec URL, and never runs code from the checkpoint: commit records and plain
@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ckptmgr import objects
 from ckptmgr._version import __version__
-from ckptmgr.dcp_io import TensorOnlyLoadPlanner, make_reader
-from ckptmgr.errors import CheckpointError, StepNotFoundError
+from ckptmgr.dcp_io import TensorOnlyLoadPlanner, make_reader, read_metadata_file
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptmgr.pruning import RecordReader, delete_steps, plan
 from ckptmgr.record import CommitRecord
 from ckptmgr.retention import (
@@ -76,10 +76,12 @@ LEFTOVER_KINDS = {
     DELETING_PREFIX: "interrupted_delete",
 }
 UNCOMMITTED_STEP_KIND = "uncommitted_step"
+QUARANTINED_KIND = "quarantined"
 LEFTOVER_KIND_TEXT = {
     "interrupted_save": "interrupted save",
     "interrupted_delete": "interrupted delete",
     UNCOMMITTED_STEP_KIND: "step without commit.json",
+    QUARANTINED_KIND: "quarantined (damaged, kept)",
 }
 
 Report = dict[str, Any]
@@ -144,10 +146,10 @@ def parse_positive_seconds(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``ckptmgr`` argument parser with its five commands."""
+    """The ``ckptmgr`` argument parser with its six commands."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="List, inspect, prune, export and delete ckptmgr checkpoints.",
+        description="List, inspect, verify, prune, export and delete ckptmgr checkpoints.",
         epilog="PATH is a local directory or an fsspec URL (file://, memory://, gs://, s3://).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -155,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = _common_options()
     _add_ls(commands, common)
     _add_inspect(commands, common)
+    _add_verify(commands, common)
     _add_prune(commands, common)
     _add_export(commands, common)
     _add_rm(commands, common)
@@ -204,6 +207,25 @@ def _add_inspect(commands: Subparsers, common: argparse.ArgumentParser) -> None:
     )
     sub.add_argument("step", metavar="STEP", type=parse_step, nargs="?", help="default: latest")
     sub.set_defaults(handler=run_inspect)
+
+
+def _add_verify(commands: Subparsers, common: argparse.ArgumentParser) -> None:
+    sub = commands.add_parser(
+        "verify",
+        parents=[common],
+        help="check the files of steps against their commit records",
+        description=(
+            "Check that every file listed in a step's commit record exists with its size "
+            "(default: every committed step). With --deep, also read every file and compare its "
+            "CRC-32, and parse .metadata with the restricted unpickler. Exits with status 1 if "
+            "any step is damaged."
+        ),
+    )
+    sub.add_argument(
+        "step", metavar="STEP", type=parse_step, nargs="?", help="default: every committed step"
+    )
+    sub.add_argument("--deep", action="store_true", help="read every file and check checksums")
+    sub.set_defaults(handler=run_verify)
 
 
 def _add_prune(commands: Subparsers, common: argparse.ArgumentParser) -> None:
@@ -408,11 +430,19 @@ def run_ls(args: argparse.Namespace) -> int:
 def ls_report(storage: CheckpointStorage, *, include_leftovers: bool) -> Report:
     """The JSON document of ``ckptmgr ls``."""
     steps = [step_summary(storage, step) for step in storage.committed_steps()]
-    leftovers = (
-        [leftover_summary(storage, leftover) for leftover in storage.leftovers()]
-        if include_leftovers
-        else None
-    )
+    leftovers = None
+    if include_leftovers:
+        leftovers = [leftover_summary(storage, leftover) for leftover in storage.leftovers()]
+        leftovers += [
+            {
+                "name": quarantined.name,
+                "kind": QUARANTINED_KIND,
+                "age_s": None,
+                "size": tree_size(storage, storage.path(quarantined.name)),
+            }
+            for quarantined in storage.quarantined()
+        ]
+        leftovers.sort(key=lambda row: row["name"])
     return {"root": storage.url, "steps": steps, "leftovers": leftovers}
 
 
@@ -490,7 +520,7 @@ def render_ls(report: Report, out: TextIO) -> None:
     if not leftovers:
         print("no uncommitted leftovers", file=out)
         return
-    print("uncommitted leftovers (never listed as steps):", file=out)
+    print("uncommitted leftovers (never listed as steps):", file=out)  # and quarantined steps
     rows = [
         [
             row["name"],
@@ -536,7 +566,7 @@ def inspect_report(storage: CheckpointStorage, record: CommitRecord) -> Report:
         "metadata": dict(record.metadata),
         "tensors": tensors,
         "tensor_bytes": None if None in known_sizes else sum(known_sizes),
-        "files": [{"path": entry.path, "size": entry.size} for entry in record.files],
+        "files": [entry.model_dump() for entry in record.files],  # path, size, crc32
         "size": sum(entry.size for entry in record.files),
         "ckptmgr_version": record.ckptmgr_version,
         "torch_version": record.torch_version,
@@ -580,6 +610,99 @@ def render_inspect(report: Report, out: TextIO) -> None:
         f"{plural(len(report['files']), 'file')}, {format_bytes(report['size'])} on storage",
         file=out,
     )
+
+
+# -- verify ----------------------------------------------------------------------------------
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """``ckptmgr verify``: check steps against their commit records; status 1 if any is damaged."""
+    storage = open_storage(args.path, args.storage_option)
+    if args.step is None:
+        steps = storage.committed_steps()
+    else:
+        known = set(storage.committed_steps()) | set(storage.quarantined_steps())
+        if args.step not in known:
+            raise StepNotFoundError(args.step, storage.committed_steps())
+        steps = [args.step]
+    report = verify_report(storage, steps, deep=args.deep)
+    emit(report, args.json, render_verify)
+    damaged = [row["step"] for row in report["steps"] if not row["ok"]]
+    if damaged:
+        print(f"{PROG}: error: damaged step(s): {damaged}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def verify_report(storage: CheckpointStorage, steps: Sequence[int], *, deep: bool) -> Report:
+    """The JSON document of ``ckptmgr verify``."""
+    quarantined = set(storage.quarantined_steps())
+    return {
+        "root": storage.url,
+        "deep": deep,
+        "steps": [verify_step(storage, step, deep, step in quarantined) for step in steps],
+    }
+
+
+def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: bool) -> Report:
+    """One step of ``ckptmgr verify``: its problems, or why its record cannot be read."""
+    row: Report = {
+        "step": step,
+        "ok": False,
+        "quarantined": quarantined,
+        "files": None,
+        "size": None,
+        "checksums": None,
+        "problems": [],
+        "error": None,
+    }
+    try:
+        record = storage.read_record(step)
+    except CheckpointError as error:
+        row["error"] = _one_line(error)
+        return row
+    step_path = storage.step_path(step)
+    problems = storage.verify_files(step_path, record, deep=deep)
+    row["files"] = len(record.files)
+    row["size"] = sum(entry.size for entry in record.files)
+    row["checksums"] = sum(entry.crc32 is not None for entry in record.files)
+    row["problems"] = [{"path": p.path, "problem": p.problem} for p in problems]
+    if deep and not problems and any(entry.path == ".metadata" for entry in record.files):
+        try:
+            read_metadata_file(storage.fs, step_path)
+        except CorruptCheckpointError as error:
+            row["problems"].append({"path": ".metadata", "problem": _one_line(error)})
+    row["ok"] = not row["problems"]
+    return row
+
+
+def render_verify(report: Report, out: TextIO) -> None:
+    """The table of ``ckptmgr verify``, then one line per problem."""
+    if not report["steps"]:
+        print(f"no committed steps under {report['root']}", file=out)
+        return
+    rows = []
+    for row in report["steps"]:
+        if row["error"]:
+            status = f"unreadable: {row['error']}"
+        elif row["ok"]:
+            status = "ok" + (" (deep)" if report["deep"] else "")
+        else:
+            status = f"DAMAGED: {plural(len(row['problems']), 'problem')}"
+        if row["quarantined"]:
+            status += ", quarantined"
+        rows.append(
+            [
+                str(row["step"]),
+                _or_dash(row["files"], str),
+                _or_dash(row["size"], format_bytes),
+                status,
+            ]
+        )
+    write_table(out, ["STEP", "FILES", "SIZE", "STATUS"], rows, right=("STEP", "FILES"))
+    for row in report["steps"]:
+        for problem in row["problems"]:
+            print(f"step {row['step']}: {problem['path']} {problem['problem']}", file=out)
 
 
 # -- prune -----------------------------------------------------------------------------------

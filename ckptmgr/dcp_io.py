@@ -4,6 +4,11 @@ DCP stores its global ``.metadata`` with pickle and loads non-tensor items with
 ``torch.load(weights_only=False)``. ckptmgr stores only tensors through DCP and reads the
 metadata with torch's weights-only unpickler, restricted to DCP's own metadata classes.
 
+Every file DCP writes is checksummed (CRC-32) while its bytes stream out, into the writer's
+``checksums`` (:class:`~ckptmgr.integrity.ChecksumLog`), and every file a reader opens is checked
+against the sizes and checksums of the commit record before DCP sees a byte of it (see
+:mod:`ckptmgr.integrity`). Paths named by DCP's metadata never leave the step directory.
+
 On remote stores DCP's files go through :class:`RetryingFileSystem`: each file is serialised into
 a local spool (memory, then a temporary file) and uploaded in one retried call, each file read is
 downloaded in one retried call, and ``.metadata`` is written directly instead of as
@@ -17,12 +22,13 @@ import io
 import os
 import pathlib
 import pickle
-import shutil
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator
+import zipfile
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO, Any
 
 import torch
@@ -30,11 +36,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ckptmgr.errors import CheckpointError
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError
+from ckptmgr.integrity import (
+    ChecksumLog,
+    Expected,
+    HashingWriter,
+    check_content,
+    check_relative_path,
+    crc32_of_stream,
+    crc32_update,
+)
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.storage import is_object_store, open_filesystem
 
@@ -69,6 +85,8 @@ _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
 _ALLOWED_GLOBALS[("torch", "Size")] = torch.Size
 _ALLOWED_GLOBALS[("pathlib", "PosixPath")] = pathlib.PurePosixPath
 _ALLOWED_GLOBALS[("pathlib", "WindowsPath")] = pathlib.PureWindowsPath
+_ALLOWED_GLOBALS[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
+_ALLOWED_GLOBALS[("pathlib", "PureWindowsPath")] = pathlib.PureWindowsPath
 _ALLOWED_GLOBALS[("collections", "OrderedDict")] = collections.OrderedDict
 try:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -107,10 +125,39 @@ def load_metadata_safely(stream: Any) -> dcp_metadata.Metadata:
     try:
         metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
     except Exception as exc:  # UnpicklingError, EOFError, AttributeError, ...
-        raise CheckpointError(f"checkpoint metadata is not plain DCP metadata: {exc}") from exc
+        raise CorruptCheckpointError(
+            f"checkpoint metadata is not plain DCP metadata: {exc}", path=".metadata"
+        ) from exc
     if not isinstance(metadata, dcp_metadata.Metadata):
-        raise CheckpointError(f"checkpoint metadata has unexpected type {type(metadata).__name__}")
+        raise CorruptCheckpointError(
+            f"checkpoint metadata has unexpected type {type(metadata).__name__}", path=".metadata"
+        )
+    _check_storage_paths(metadata)
     return metadata
+
+
+def read_metadata_file(fs: Any, step_path: str) -> dcp_metadata.Metadata:
+    """Read ``<step_path>/.metadata`` from the fsspec file system ``fs`` with the restricted
+    unpickler (``CorruptCheckpointError`` when it is missing or refused)."""
+    try:
+        with fs.open(f"{step_path.rstrip('/')}/.metadata", "rb") as stream:
+            return load_metadata_safely(stream)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError("checkpoint metadata is missing", path=".metadata") from exc
+
+
+def _check_storage_paths(metadata: dcp_metadata.Metadata) -> None:
+    """Refuse metadata whose chunks live outside the step directory (or is malformed)."""
+    storage_data = getattr(metadata, "storage_data", None)
+    if storage_data is None:
+        return
+    if not isinstance(storage_data, Mapping):
+        raise CorruptCheckpointError("checkpoint metadata is malformed", path=".metadata")
+    for info in storage_data.values():
+        relative = getattr(info, "relative_path", None)
+        if not isinstance(relative, str):
+            raise CorruptCheckpointError("checkpoint metadata is malformed", path=".metadata")
+        check_relative_path(relative)
 
 
 class _SafeMetadataMixin:
@@ -119,24 +166,108 @@ class _SafeMetadataMixin:
     fs: Any
     load_id: Any
     path: Any
+    metadata_error: CorruptCheckpointError | None = None
+    """Why ``.metadata`` was refused (DCP replaces the error with an AssertionError of its own)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        if kwargs.get("rank") is not None and self.metadata_error is not None:
+            raise self.metadata_error  # ckptmgr writes no rank-local metadata: no fallback
         get_path = getattr(self, "_get_metadata_path", None)
         path = (
             get_path(kwargs.get("rank"))
             if get_path
             else self.fs.concat_path(self.path, ".metadata")
         )
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_metadata_safely(stream)
+        try:
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = load_metadata_safely(stream)
+        except CorruptCheckpointError as exc:
+            self.metadata_error = exc
+            raise
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
+def _relative(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> str:
+    """``path`` relative to the step directory ``root`` (DCP's files all lie directly in it)."""
+    text, prefix = os.fspath(path), os.fspath(root).rstrip("/") + "/"
+    if prefix != "/" and text.startswith(prefix):
+        return text[len(prefix) :]
+    return text.rsplit("/", 1)[-1]
+
+
+class ChecksummingFileSystem(FileSystem):
+    """DCP's local file system: writes are checksummed as they stream out, reads are checked
+    against the commit record, and paths never leave the step directory."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        checksums: ChecksumLog | None = None,
+        expected: Mapping[str, Expected] | None = None,
+    ) -> None:
+        super().__init__()
+        self.root = os.fspath(Path(root))  # normalised like the Paths DCP passes in
+        self.checksums = checksums
+        self.expected = expected
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        name = _relative(self.root, path)
+        if "r" in mode:
+            with open(path, mode) as stream:
+                if self.expected is not None:
+                    size, crc = crc32_of_stream(stream)
+                    check_content(name, self.expected, size, crc)
+                    stream.seek(0)
+                yield stream  # type: ignore[misc]
+            return
+        with open(path, mode) as target:
+            hashing = HashingWriter(target)
+            yield hashing
+            hashing.close()
+        if self.checksums is not None:
+            self.checksums.add(name, hashing.size, hashing.crc)
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str | os.PathLike[str]:
+        check_relative_path(suffix)
+        return super().concat_path(path, suffix)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        if self.checksums is not None:
+            self.checksums.rename(_relative(self.root, path), _relative(self.root, new_path))
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        super().rm_file(path)
+        if self.checksums is not None:
+            self.checksums.discard(_relative(self.root, path))
+
+
+class ChecksummingFileSystemWriter(FileSystemWriter):
+    """DCP's local writer (fsynced files) that checksums every file while writing it; the
+    sizes and CRC-32s end up in ``checksums``."""
+
+    def __init__(self, path: str, *, thread_count: int) -> None:
+        super().__init__(
+            path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
+        )
+        self.checksums = ChecksumLog()
+        self.fs = ChecksummingFileSystem(path, checksums=self.checksums)
+
+
 class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
-    """DCP's local reader with a restricted metadata unpickler."""
+    """DCP's local reader with a restricted metadata unpickler; with ``expected`` (the commit
+    record's files), every file is checked against its size and CRC-32 before DCP reads it."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, expected: Mapping[str, Expected] | None = None
+    ) -> None:
+        super().__init__(path)
+        self.fs = ChecksummingFileSystem(path, expected=expected)
 
 
 class TensorOnlyLoadPlanner(DefaultLoadPlanner):
@@ -171,6 +302,7 @@ class _Spool(io.RawIOBase):
         self._file: IO[bytes] | None = None
         self.file_path: str | None = None
         self._size = 0
+        self.crc32 = 0
 
     def writable(self) -> bool:
         return True
@@ -185,6 +317,7 @@ class _Spool(io.RawIOBase):
         target = self._memory if self._memory is not None else self._file
         assert target is not None
         target.write(data)
+        self.crc32 = crc32_update(self.crc32, data)
         self._size += size
         return size
 
@@ -228,10 +361,22 @@ class RetryingFileSystem(FileSystemBase):
     download the whole file (memory, or a temporary file beyond ``SPOOL_MEMORY_BYTES``).
     """
 
-    def __init__(self, fs: Any, retrier: Retrier, *, object_store: bool) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        retrier: Retrier,
+        *,
+        object_store: bool,
+        root: str = "",
+        checksums: ChecksumLog | None = None,
+        expected: Mapping[str, Expected] | None = None,
+    ) -> None:
         self.fs = fs
         self.retrier = retrier
         self.object_store = object_store
+        self.root = root
+        self.checksums = checksums
+        self.expected = expected
         self._held: dict[str, _Spool] = {}
         self._lock = threading.Lock()
 
@@ -239,7 +384,12 @@ class RetryingFileSystem(FileSystemBase):
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         path = os.fspath(path)
         if "r" in mode:
-            stream = self.retrier.call(f"read {path}", self._download, path)
+            stream, size, crc = self.retrier.call(f"read {path}", self._download, path)
+            try:
+                check_content(_relative(self.root, path), self.expected, size, crc)
+            except BaseException:
+                stream.close()
+                raise
             try:
                 yield stream
             finally:
@@ -262,6 +412,8 @@ class RetryingFileSystem(FileSystemBase):
 
     def _upload(self, spool: _Spool, path: str) -> None:
         spool.close()
+        if self.checksums is not None:
+            self.checksums.add(_relative(self.root, path), spool.tell(), spool.crc32)
         if spool.in_memory:
             data = spool.getvalue()
             self.retrier.call(f"upload {path}", self.fs.pipe_file, path, data)
@@ -269,18 +421,27 @@ class RetryingFileSystem(FileSystemBase):
             assert spool.file_path is not None
             self.retrier.call(f"upload {path}", self.fs.put_file, spool.file_path, path)
 
-    def _download(self, path: str) -> IO[bytes]:
+    def _download(self, path: str) -> tuple[IO[bytes], int, int]:
+        """(the file's bytes in a local spool, its size, its CRC-32), hashed while copying."""
         spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES, prefix="ckptmgr-")
+        size, crc = 0, 0
         try:
             with self.fs.open(path, "rb", block_size=_COPY_CHUNK) as remote:
-                shutil.copyfileobj(remote, spool, _COPY_CHUNK)
+                while True:
+                    chunk = remote.read(_COPY_CHUNK)
+                    if not chunk:
+                        break
+                    spool.write(chunk)
+                    crc = crc32_update(crc, chunk)
+                    size += len(chunk)
             spool.seek(0)
         except BaseException:
             spool.close()
             raise
-        return spool  # type: ignore[return-value]
+        return spool, size, crc  # type: ignore[return-value]
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        check_relative_path(suffix)
         return f"{os.fspath(path).rstrip('/')}/{suffix}"
 
     def init_path(self, path: str | os.PathLike[str], **kwargs: Any) -> str | os.PathLike[str]:
@@ -292,6 +453,8 @@ class RetryingFileSystem(FileSystemBase):
             spool = self._held.pop(source, None)
         if spool is None:
             self.retrier.call(f"rename {source}", self.fs.mv, source, target)
+            if self.checksums is not None:
+                self.checksums.rename(_relative(self.root, source), _relative(self.root, target))
             return
         try:
             self._upload(spool, target)
@@ -322,6 +485,8 @@ class RetryingFileSystem(FileSystemBase):
         path = os.fspath(path)
         with self._lock:
             spool = self._held.pop(path, None)
+        if self.checksums is not None:
+            self.checksums.discard(_relative(self.root, path))
         if spool is not None:
             spool.discard()
             return
@@ -339,6 +504,7 @@ class RetryingFsspecWriter(FsspecWriter):
     ``.metadata`` written directly, and never into a directory that holds a checkpoint."""
 
     def __init__(self, path: str, fs: Any, retrier: Retrier, *, thread_count: int) -> None:
+        self.checksums = ChecksumLog()
         FileSystemWriter.__init__(  # not FsspecWriter's: it would open a file system of its own
             self,
             path,
@@ -347,16 +513,31 @@ class RetryingFsspecWriter(FsspecWriter):
             thread_count=thread_count,
             overwrite=False,
         )
-        self.fs = RetryingFileSystem(fs, retrier, object_store=is_object_store(fs))
+        self.fs = RetryingFileSystem(
+            fs,
+            retrier,
+            object_store=is_object_store(fs),
+            root=path,
+            checksums=self.checksums,
+        )
         self.path = path
 
 
 class SafeRetryingFsspecReader(_SafeMetadataMixin, FsspecReader):
     """DCP's fsspec reader over :class:`RetryingFileSystem`, with the restricted unpickler."""
 
-    def __init__(self, path: str, fs: Any, retrier: Retrier) -> None:
+    def __init__(
+        self,
+        path: str,
+        fs: Any,
+        retrier: Retrier,
+        *,
+        expected: Mapping[str, Expected] | None = None,
+    ) -> None:
         FileSystemReader.__init__(self, path)
-        self.fs = RetryingFileSystem(fs, retrier, object_store=is_object_store(fs))
+        self.fs = RetryingFileSystem(
+            fs, retrier, object_store=is_object_store(fs), root=path, expected=expected
+        )
         self.path = path
 
 
@@ -367,13 +548,12 @@ def make_writer(
     thread_count: int,
     storage_options: dict[str, Any],
     retry: RetryConfig | None = None,
-) -> FileSystemWriter | FsspecWriter:
+) -> ChecksummingFileSystemWriter | RetryingFsspecWriter:
     """A DCP writer for one step directory: fsynced files locally; on other stores retried
-    uploads without ``os.sync()`` (see :class:`RetryingFsspecWriter`)."""
+    uploads without ``os.sync()`` (see :class:`RetryingFsspecWriter`). Either way, the writer's
+    ``checksums`` holds the size and CRC-32 of every file it wrote."""
     if local:
-        return FileSystemWriter(
-            url_or_path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
-        )
+        return ChecksummingFileSystemWriter(url_or_path, thread_count=thread_count)
     config = retry or RetryConfig()
     fs, _ = open_filesystem(url_or_path, storage_options, config)
     return RetryingFsspecWriter(url_or_path, fs, Retrier(config), thread_count=thread_count)
@@ -385,13 +565,18 @@ def make_reader(
     local: bool,
     storage_options: dict[str, Any],
     retry: RetryConfig | None = None,
-) -> SafeFileSystemReader | FsspecReader:
-    """A DCP reader for one committed step directory (retried reads on remote stores)."""
+    expected: Mapping[str, Expected] | None = None,
+) -> SafeFileSystemReader | SafeRetryingFsspecReader:
+    """A DCP reader for one committed step directory (retried reads on remote stores).
+
+    ``expected`` (name -> size and CRC-32, from the commit record) makes every file be checked
+    before DCP reads it: a mismatch raises ``CorruptCheckpointError`` naming the file.
+    """
     if local:
-        return SafeFileSystemReader(url_or_path)
+        return SafeFileSystemReader(url_or_path, expected=expected)
     config = retry or RetryConfig()
     fs, _ = open_filesystem(url_or_path, storage_options, config)
-    return SafeRetryingFsspecReader(url_or_path, fs, Retrier(config))
+    return SafeRetryingFsspecReader(url_or_path, fs, Retrier(config), expected=expected)
 
 
 def save_tensors(
@@ -404,5 +589,56 @@ def save_tensors(
 def load_tensors(
     tensors: dict[str, torch.Tensor], reader: Any, group: dist.ProcessGroup | None
 ) -> None:
-    """Fill ``tensors`` in place from a checkpoint with DCP."""
-    dcp.load(tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner(), process_group=group)
+    """Fill ``tensors`` in place from a checkpoint with DCP.
+
+    Damage found while reading (a file that fails its check, metadata that is refused, a tensor
+    record that cannot be decoded, a missing file) raises ``CorruptCheckpointError``, whichever
+    rank found it; DCP's own ``CheckpointException`` is unwrapped.
+    """
+    try:
+        dcp.load(
+            tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner(), process_group=group
+        )
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        corrupt = damage_in(exc) or getattr(reader, "metadata_error", None)
+        if corrupt is not None:
+            raise corrupt from exc
+        raise
+
+
+_DAMAGE_TYPES: tuple[type[BaseException], ...] = (
+    pickle.UnpicklingError,
+    EOFError,
+    zipfile.BadZipFile,
+    FileNotFoundError,
+)
+
+
+def damage_in(error: BaseException) -> CorruptCheckpointError | None:
+    """The ``CorruptCheckpointError`` that ``error`` (possibly DCP's ``CheckpointException``,
+    which holds the errors of every failing rank) stands for, or None when it is no damage."""
+    causes: list[BaseException] = [error]
+    failures = getattr(error, "failures", None)
+    if isinstance(error, CheckpointException) and isinstance(failures, dict):
+        for failure in failures.values():
+            first = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(first, BaseException):
+                causes.append(first)
+    seen: set[int] = set()
+    while causes:
+        cause = causes.pop(0)
+        if id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        if isinstance(cause, CorruptCheckpointError):
+            return cause
+        if isinstance(cause, _DAMAGE_TYPES) or (
+            isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause)
+        ):
+            return CorruptCheckpointError(f"a tensor file cannot be decoded: {cause!r}")
+        for nested in (cause.__cause__, cause.__context__):
+            if nested is not None:
+                causes.append(nested)
+    return None

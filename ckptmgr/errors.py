@@ -21,3 +21,18 @@ class StepNotFoundError(CheckpointError, LookupError):
         super().__init__(
             f"no committed checkpoint for step {step}; available steps: {self.available or 'none'}"
         )
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files are damaged, missing or not what ckptmgr wrote.
+
+    Raised for a file whose size or checksum differs from its commit record, a missing file, a
+    record or metadata file that cannot be parsed, a path that would leave the checkpoint
+    directory, and a ``.metadata`` that would run code when unpickled. ``path`` names the file
+    (relative to the step directory) when one file is to blame, and ``step`` the step when known.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, step: int | None = None) -> None:
+        self.path = path
+        self.step = step
+        super().__init__(message)

@@ -23,9 +23,10 @@ from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
-from ckptmgr.errors import CheckpointError, StepNotFoundError
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+from ckptmgr.integrity import expected_files, raise_problems
 from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNotice
-from ckptmgr.record import CommitRecord, TensorEntry, utc_now
+from ckptmgr.record import CommitRecord, FileEntry, TensorEntry, utc_now
 from ckptmgr.retry import RetryConfig
 from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
 from ckptmgr.staging import StagingPool
@@ -367,13 +368,19 @@ class CheckpointManager:
         write_dir = storage.write_dir(step, save_id)
 
         local_error: BaseException | None = None
+        # name -> (size, CRC-32) of every file this rank wrote, computed while writing it
+        checksums: dict[str, tuple[int, int]] = {}
         try:
             if not comm.is_coordinator:
                 storage.ensure_dir(write_dir)  # retried; no-op on object stores
-            storage.write_json(f"{write_dir}/{objects_file_name(comm.rank)}", request.objects)
+            objects_name = objects_file_name(comm.rank)
+            checksums[objects_name] = storage.write_json(
+                f"{write_dir}/{objects_name}", request.objects
+            )
         except Exception as exc:
             local_error = exc
         dcp_metadata = None
+        writer = None
         try:  # every rank joins DCP's collectives, even after a local error, so none hangs
             writer = dcp_io.make_writer(
                 storage.url_for(write_dir),
@@ -387,13 +394,19 @@ class CheckpointManager:
             )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             local_error = local_error or _unwrap_dcp_error(exc)
-        errors = comm.all_gather(_describe(local_error), group)
+        if writer is not None:
+            checksums.update(writer.checksums.snapshot())
+        gathered = comm.all_gather((_describe(local_error), checksums), group)
+        errors = [error for error, _ in gathered]
 
         outcome = _SaveOutcome(committed=False, error=None, deleted=[])
         commit_error: Exception | None = None
         if comm.is_coordinator:
+            written: dict[str, tuple[int, int]] = {}
+            for _, rank_checksums in gathered:
+                written.update(rank_checksums)
             outcome, commit_error = self._commit_and_plan_retention(
-                request, save_id, write_dir, errors, dcp_metadata
+                request, save_id, write_dir, errors, dcp_metadata, written
             )
         outcome = comm.broadcast(outcome, group)
         if not outcome.committed:
@@ -429,6 +442,7 @@ class CheckpointManager:
         write_dir: str,
         errors: list[str | None],
         dcp_metadata: Any,
+        written: dict[str, tuple[int, int]],
     ) -> tuple[_SaveOutcome, Exception | None]:
         """Commit if every rank wrote its part, then choose what retention deletes."""
         failed = {rank: text for rank, text in enumerate(errors) if text is not None}
@@ -443,7 +457,7 @@ class CheckpointManager:
                 world_size=self._comm.world_size,
                 metrics=request.metrics,
                 metadata=request.metadata,
-                files=self._storage.list_files(write_dir),
+                files=_with_checksums(self._storage.list_files(write_dir), written),
                 tensors=_tensor_entries(dcp_metadata),
                 object_files=[objects_file_name(r) for r in range(self._comm.world_size)],
                 ckptmgr_version=__version__,
@@ -566,11 +580,16 @@ class CheckpointManager:
         group = self._comm.background_group if self._comm.distributed else None
         plan: RestorePlan | None = None
         plan_error: Exception | None = None
+        expected = None
         try:
             record = self._storage.read_record(step)
+            expected = expected_files(record.files, step=step) if record.files else None
+            self._storage.check_sizes(step, record)  # every file, one listing
             own_objects = objects_file_name(self._comm.rank)
             objects_rank = self._comm.rank if own_objects in record.object_files else 0
-            saved_objects = self._storage.read_objects(step, objects_file_name(objects_rank))
+            saved_objects = self._storage.read_objects(
+                step, objects_file_name(objects_rank), expected
+            )
             plan = plan_restore(
                 state_dict, record.tensors, saved_objects, self._comm.rank, objects_rank
             )
@@ -578,19 +597,25 @@ class CheckpointManager:
             plan_error = exc
         # DCP's load is collective: every rank learns first whether any rank could not match its
         # state against the checkpoint, so that such a rank never leaves the others waiting.
-        failures = self._comm.all_gather(_describe(plan_error), group)
+        failures = self._comm.all_gather(
+            (_describe(plan_error), isinstance(plan_error, CorruptCheckpointError)), group
+        )
         if plan_error is not None:
             raise plan_error
-        failed = {rank: text for rank, text in enumerate(failures) if text is not None}
+        failed = {rank: text for rank, (text, _) in enumerate(failures) if text is not None}
         if failed:
             described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
-            raise CheckpointError(f"restore of step {step} failed on another rank: {described}")
+            message = f"restore of step {step} failed on another rank: {described}"
+            if any(corrupt for _, corrupt in failures):
+                raise CorruptCheckpointError(message, step=step)
+            raise CheckpointError(message)
         assert plan is not None
         reader = dcp_io.make_reader(
             self._storage.url_for(self._storage.step_path(step)),
             local=self._storage.is_local,
             storage_options=self._storage.storage_options,
             retry=self._storage.retry,
+            expected=expected,
         )
         try:
             if plan.tensors:
@@ -598,9 +623,73 @@ class CheckpointManager:
         except BaseException as exc:  # CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
+            if isinstance(exc, CorruptCheckpointError):
+                raise CorruptCheckpointError(
+                    f"restore of step {step} failed: {exc}", path=exc.path, step=step
+                ) from exc
             raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
         plan.finish()
         log.info("restored step %d", step)
+
+    def restore_latest(self, state_dict: Mapping[str, Any]) -> int | None:
+        """Restore the newest committed step that is intact; returns it, or None if there is none.
+
+        A step that turns out to be damaged (:class:`CorruptCheckpointError`: a missing or
+        truncated file, a checksum mismatch, a damaged record or metadata) is logged, marked
+        quarantined in storage (``quarantined.json`` in its directory: it is kept, never listed
+        again and never deleted by retention) and the next older step is tried. Any other error,
+        such as a ``state_dict`` that does not match the checkpoint, is raised as by
+        :meth:`restore`: it says nothing about the checkpoint. Under torch.distributed this is a
+        collective, and every rank restores (or quarantines) the same steps.
+        """
+        self._check_open()
+        self._writer.wait()
+        for step in reversed(self.all_steps()):
+            try:
+                self.restore(step, state_dict)
+            except CorruptCheckpointError as exc:
+                self._quarantine(step, exc)
+                continue
+            return step
+        log.warning("no intact committed checkpoint under %s", self.config.path)
+        return None
+
+    def _quarantine(self, step: int, error: CorruptCheckpointError) -> None:
+        """Mark ``step`` damaged in storage (rank 0) and stop listing it (every rank)."""
+        log.error("step %d is damaged and is quarantined: %s", step, error)
+        if self._comm.is_coordinator:
+            try:
+                self._storage.quarantine(step, str(error))
+            except Exception as exc:  # still skipped by this manager; retried by the next one
+                log.error("could not record the quarantine of step %d: %s", step, exc)
+        with self._lock:
+            self._committed.discard(step)
+
+    def verify(self, step: int, deep: bool = False) -> None:
+        """Check the files of a committed (or quarantined) step against its commit record.
+
+        Checks that every file the record lists exists with its size (one listing of the step
+        directory), and with ``deep=True`` also reads every file and compares its CRC-32, and
+        parses ``.metadata`` with the restricted unpickler. Raises
+        :class:`CorruptCheckpointError` naming every damaged file, :class:`StepNotFoundError`
+        when the step is not in storage. Runs on the calling rank only (not a collective).
+        """
+        self._check_open()
+        step = _checked_step(step)
+        storage = self._storage
+        committed, quarantined = storage.committed_steps(), storage.quarantined_steps()
+        if step not in committed and step not in quarantined:
+            raise StepNotFoundError(step, committed)
+        record = storage.read_record(step)
+        problems = storage.verify_files(storage.step_path(step), record, deep=deep)
+        if deep and not problems and any(entry.path == ".metadata" for entry in record.files):
+            try:
+                dcp_io.read_metadata_file(storage.fs, storage.step_path(step))
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(
+                    f"step {step} is damaged: {exc}", path=".metadata", step=step
+                ) from exc
+        raise_problems(problems, step)
 
 
 def _build_policy(config: CheckpointConfig) -> retention.RetentionPolicy | None:
@@ -679,6 +768,27 @@ def _tensor_entries(dcp_metadata: Any) -> dict[str, TensorEntry]:
         entries[key] = TensorEntry(
             dtype=str(properties.dtype).removeprefix("torch."), shape=list(item.size)
         )
+    return entries
+
+
+def _with_checksums(
+    listed: list[FileEntry], written: Mapping[str, tuple[int, int]]
+) -> list[FileEntry]:
+    """The listed files with the CRC-32 their writer computed; a size that differs from what
+    was written means the store lost or changed bytes, and the step is not committed."""
+    entries = []
+    for entry in listed:
+        known = written.get(entry.path)
+        if known is None:
+            entries.append(entry)
+            continue
+        size, crc = known
+        if size != entry.size:
+            raise CorruptCheckpointError(
+                f"{entry.path} was written with {size} bytes but storage holds {entry.size}",
+                path=entry.path,
+            )
+        entries.append(FileEntry(path=entry.path, size=entry.size, crc32=crc))
     return entries
 
 

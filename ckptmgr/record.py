@@ -5,19 +5,59 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
+
+from ckptmgr.errors import CorruptCheckpointError
+from ckptmgr.integrity import check_relative_path
 
 FORMAT_VERSION = 1
 RECORD_NAME = "commit.json"
+QUARANTINE_NAME = "quarantined.json"
+
+
+class NewerFormatError(ValueError):
+    """A commit record written by a newer ckptmgr, in a format this one does not understand."""
+
+
+def _safe_path(value: str) -> str:
+    try:
+        return check_relative_path(value)
+    except CorruptCheckpointError as exc:
+        raise ValueError(str(exc)) from None
 
 
 class FileEntry(BaseModel):
-    """One data file of a checkpoint, relative to the step directory."""
+    """One file of a checkpoint, relative to the step directory: its size and CRC-32.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    ``crc32`` (``zlib.crc32`` of the whole file) is None in records written before ckptmgr
+    stored checksums; such files are checked by size only. ``path`` never leaves the step
+    directory (no absolute paths, no ``..``).
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     path: str
     size: int = Field(ge=0)
+    crc32: int | None = Field(default=None, ge=0, lt=2**32)
+
+    @field_validator("path")
+    @classmethod
+    def _path_inside_step(cls, value: str) -> str:
+        return _safe_path(value)
+
+    @model_serializer(mode="wrap")
+    def _drop_missing_checksum(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("crc32", 0) is None:
+            del data["crc32"]
+        return data
 
 
 class TensorEntry(BaseModel):
@@ -50,16 +90,26 @@ class CommitRecord(BaseModel):
     ckptmgr_version: str = ""
     torch_version: str = ""
 
+    @field_validator("object_files")
+    @classmethod
+    def _object_files_inside_step(cls, value: list[str]) -> list[str]:
+        return [_safe_path(name) for name in value]
+
     def to_json(self) -> bytes:
         """Serialise to UTF-8 JSON bytes."""
         return self.model_dump_json(indent=1).encode()
 
     @classmethod
     def from_json(cls, data: bytes | str) -> CommitRecord:
-        """Parse and validate a record (raises ``pydantic.ValidationError`` on bad input)."""
+        """Parse and validate a record.
+
+        Raises ``pydantic.ValidationError`` (a ``ValueError``) on bad input, including a file
+        path that leaves the step directory, and :class:`NewerFormatError` (also a
+        ``ValueError``) for a record of a newer format.
+        """
         record = cls.model_validate_json(data)
         if record.format_version > FORMAT_VERSION:
-            raise ValueError(
+            raise NewerFormatError(
                 f"commit record format {record.format_version} is newer than this ckptmgr "
                 f"understands ({FORMAT_VERSION}); upgrade ckptmgr"
             )

@@ -6,7 +6,10 @@ Layout under the root URL::
     .tmp-step_000000001200-<id>/  a step being written on a local file system
     .deleting-step_...-<id>/      a step being deleted on a local file system
 
-A step is committed exactly when ``step_<N>/commit.json`` exists. Locally the record is written
+A step is committed exactly when ``step_<N>/commit.json`` exists. A committed step that was
+found damaged is *quarantined*: ``step_<N>/quarantined.json`` says why, and the step is no longer
+listed (nor deleted by retention); a new save of the same step moves it aside to
+``step_<N>.quarantined-<ns>/`` first. Locally the record is written
 inside the temporary directory, which is then renamed into place (an atomic commit); on object
 stores, which cannot rename directories, the data is written in place and the record last, with a
 create-only write where the store supports it.
@@ -26,6 +29,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,8 +38,24 @@ import fsspec
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from ckptmgr.errors import CheckpointError
-from ckptmgr.record import RECORD_NAME, CommitRecord, FileEntry
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError
+from ckptmgr.integrity import (
+    Expected,
+    FileProblem,
+    check_content,
+    check_sizes,
+    crc32_of_stream,
+    expected_files,
+    raise_problems,
+)
+from ckptmgr.record import (
+    QUARANTINE_NAME,
+    RECORD_NAME,
+    CommitRecord,
+    FileEntry,
+    NewerFormatError,
+    utc_now,
+)
 from ckptmgr.retry import Retrier, RetryConfig, client_class, client_options, http_status
 
 log = logging.getLogger(__name__)
@@ -43,6 +63,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STEP_DIR_PATTERN = re.compile(r"^step_(\d{12,})$")
+QUARANTINED_ASIDE_PATTERN = re.compile(r"^step_(\d{12,})\.quarantined-(\d+)$")
 TMP_PREFIX = ".tmp-"
 DELETING_PREFIX = ".deleting-"
 OBJECT_STORE_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "oss"})
@@ -91,6 +112,17 @@ def is_object_store(fs: AbstractFileSystem) -> bool:
     """True for file systems whose directories are key prefixes (GCS, S3, Azure, ...)."""
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return any(p in OBJECT_STORE_PROTOCOLS for p in protocols)
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A committed step that was found damaged and is no longer listed."""
+
+    step: int
+    name: str
+    """Its directory name: ``step_<N>``, or ``step_<N>.quarantined-<ns>`` once moved aside."""
+    reason: str
+    quarantined_at: str | None
 
 
 @dataclass(frozen=True)
@@ -160,21 +192,35 @@ class CheckpointStorage:
         listing of the root (one request per 1000 objects on GCS and S3), whatever the number
         of steps.
         """
+        committed, quarantined = self._committed_and_quarantined()
+        return sorted(committed - quarantined)
+
+    def quarantined_steps(self) -> list[int]:
+        """Committed steps that are quarantined in place (``step_<N>/quarantined.json``)."""
+        committed, quarantined = self._committed_and_quarantined()
+        return sorted(committed & quarantined)
+
+    def _committed_and_quarantined(self) -> tuple[set[int], set[int]]:
+        """(steps with a commit record, steps with a quarantine marker), fresh from storage."""
+        committed: set[int] = set()
+        quarantined: set[int] = set()
         if self.is_local:
-            steps = []
             for name in _listdir(self.root):
                 step = parse_step_dir_name(name)
-                if step is not None and os.path.exists(os.path.join(self.root, name, RECORD_NAME)):
-                    steps.append(step)
-            return sorted(steps)
-        steps = set()
+                if step is None:
+                    continue
+                if os.path.exists(os.path.join(self.root, name, RECORD_NAME)):
+                    committed.add(step)
+                    if os.path.exists(os.path.join(self.root, name, QUARANTINE_NAME)):
+                        quarantined.add(step)
+            return committed, quarantined
         for relative in self._find(self.root):
             parts = relative.split("/")
-            if len(parts) == 2 and parts[1] == RECORD_NAME:
+            if len(parts) == 2 and parts[1] in (RECORD_NAME, QUARANTINE_NAME):
                 step = parse_step_dir_name(parts[0])
                 if step is not None:
-                    steps.add(step)
-        return sorted(steps)
+                    (committed if parts[1] == RECORD_NAME else quarantined).add(step)
+        return committed, quarantined
 
     def _find(self, path: str) -> dict[str, dict[str, Any]]:
         """Every file under ``path`` (relative path -> info), listed fresh, with retries."""
@@ -196,28 +242,192 @@ class CheckpointStorage:
 
     def read_record(self, step: int) -> CommitRecord:
         """The commit record of a committed step; ``CheckpointError`` if it is unreadable."""
-        path = self.path(step_dir_name(step), RECORD_NAME)
+        return self.read_record_at(self.path(step_dir_name(step)), step)
+
+    def read_record_at(self, step_path: str, step: int | None = None) -> CommitRecord:
+        """The commit record in the step directory ``step_path``.
+
+        ``CorruptCheckpointError`` when it is damaged (not JSON, invalid, a path that leaves the
+        step directory, or a record of another step), ``CheckpointError`` when it is gone or of
+        a newer format.
+        """
+        path = f"{step_path}/{RECORD_NAME}"
         try:
-            return CommitRecord.from_json(self._read_bytes(path))
+            record = CommitRecord.from_json(self._read_bytes(path))
         except FileNotFoundError as exc:
             raise CheckpointError(
                 f"commit record {path} is gone (deleted by another process?)"
             ) from exc
-        except ValueError as exc:  # pydantic.ValidationError and a newer format are ValueErrors
-            raise CheckpointError(f"commit record {path} is damaged or unsupported: {exc}") from exc
+        except NewerFormatError as exc:
+            raise CheckpointError(f"commit record {path} is unsupported: {exc}") from exc
+        except ValueError as exc:  # pydantic.ValidationError, bad UTF-8 and JSON are ValueErrors
+            raise CorruptCheckpointError(
+                f"commit record {path} is damaged: {exc}", path=RECORD_NAME, step=step
+            ) from exc
+        if step is not None and record.step != step:
+            raise CorruptCheckpointError(
+                f"commit record {path} is of step {record.step}, not {step}",
+                path=RECORD_NAME,
+                step=step,
+            )
+        return record
 
-    def read_objects(self, step: int, name: str) -> dict[str, Any]:
-        """One plain-values file of a committed step, as stored (still encoded)."""
+    def read_objects(
+        self, step: int, name: str, expected: Mapping[str, Expected] | None = None
+    ) -> dict[str, Any]:
+        """One plain-values file of a committed step, as stored (still encoded).
+
+        With ``expected`` (the commit record's files), its size and CRC-32 are checked first.
+        """
         path = self.path(step_dir_name(step), name)
         try:
-            data = json.loads(self._read_bytes(path))
+            raw = self._read_bytes(path)
         except FileNotFoundError as exc:
-            raise CheckpointError(f"{path} is missing: the checkpoint is damaged") from exc
+            raise CorruptCheckpointError(
+                f"{path} is missing: the checkpoint is damaged", path=name, step=step
+            ) from exc
+        check_content(name, expected, len(raw), zlib.crc32(raw), step=step)
+        try:
+            data = json.loads(raw)
         except ValueError as exc:
-            raise CheckpointError(f"{path} is not valid JSON: the checkpoint is damaged") from exc
+            raise CorruptCheckpointError(
+                f"{path} is not valid JSON: the checkpoint is damaged", path=name, step=step
+            ) from exc
         if not isinstance(data, dict):
-            raise CheckpointError(f"{name} of step {step} is not a JSON object")
+            raise CorruptCheckpointError(
+                f"{name} of step {step} is not a JSON object", path=name, step=step
+            )
         return data
+
+    # -- integrity ---------------------------------------------------------------------------
+    def file_sizes(self, step_path: str) -> dict[str, int]:
+        """Every file under the step directory ``step_path`` -> its size, listed fresh."""
+        if self.is_local:
+            sizes = {}
+            for dirpath, _, files in os.walk(step_path):
+                for name in files:
+                    full = os.path.join(dirpath, name)
+                    try:
+                        sizes[os.path.relpath(full, step_path).replace(os.sep, "/")] = (
+                            os.path.getsize(full)
+                        )
+                    except FileNotFoundError:
+                        continue
+            return sizes
+        return {name: int(info.get("size") or 0) for name, info in self._find(step_path).items()}
+
+    def check_sizes(self, step: int, record: CommitRecord) -> None:
+        """Raise ``CorruptCheckpointError`` naming every file of the record that is missing or
+        has another size (one listing of the step directory)."""
+        expected = expected_files(record.files, step=step)
+        problems = check_sizes(expected, self.file_sizes(self.step_path(step)))
+        raise_problems(problems, step)
+
+    def verify_files(
+        self, step_path: str, record: CommitRecord, *, deep: bool
+    ) -> list[FileProblem]:
+        """Every problem of the files of ``record`` in ``step_path``: missing files and sizes,
+        and with ``deep`` the CRC-32 of every file (each file is read once)."""
+        try:
+            expected = expected_files(record.files, step=record.step)
+        except CorruptCheckpointError as exc:
+            return [FileProblem(exc.path or "?", "is a path outside the step directory")]
+        problems = check_sizes(expected, self.file_sizes(step_path))
+        if not deep:
+            return problems
+        broken = {problem.path for problem in problems}
+        for name, entry in sorted(expected.items()):
+            if name in broken:
+                continue
+            if entry.crc32 is None:
+                continue  # a record from before checksums: sizes only
+            try:
+                size, crc = self._call(f"read {name}", self._crc32_of, f"{step_path}/{name}")
+            except FileNotFoundError:
+                problems.append(FileProblem(name, "missing"))
+                continue
+            try:
+                check_content(name, expected, size, crc)
+            except CorruptCheckpointError as exc:
+                problems.append(FileProblem(name, str(exc).removeprefix(f"{name} ")))
+        return problems
+
+    def _crc32_of(self, path: str) -> tuple[int, int]:
+        with self.fs.open(path, "rb") as handle:
+            return crc32_of_stream(handle)
+
+    # -- quarantine --------------------------------------------------------------------------
+    def quarantine(self, step: int, reason: str) -> None:
+        """Mark a committed step as damaged: it stays in storage, is no longer listed, and is
+        never deleted by retention. Writes ``step_<N>/quarantined.json``."""
+        marker = {
+            "step": step,
+            "reason": reason[:4000],
+            "quarantined_at": utc_now().isoformat().replace("+00:00", "Z"),
+        }
+        path = self.path(step_dir_name(step), QUARANTINE_NAME)
+        data = json.dumps(marker, indent=1).encode()
+        self._write_bytes(path, data)
+        if self.is_local:
+            _fsync_dir(self.step_path(step))
+
+    def quarantined(self) -> list[Quarantined]:
+        """Every quarantined step: marked in place, and moved aside by a later save."""
+        found: list[Quarantined] = []
+        for step in self.quarantined_steps():
+            found.append(self._quarantine_info(step, step_dir_name(step)))
+        if self.is_local:
+            names = _listdir(self.root)
+        else:
+            names = sorted({rel.split("/", 1)[0] for rel in self._find(self.root) if "/" in rel})
+        for name in names:
+            match = QUARANTINED_ASIDE_PATTERN.match(name)
+            if match:
+                found.append(self._quarantine_info(int(match.group(1)), name))
+        return sorted(found, key=lambda q: (q.step, q.name))
+
+    def _quarantine_info(self, step: int, name: str) -> Quarantined:
+        try:
+            marker = json.loads(self._read_bytes(self.path(name, QUARANTINE_NAME)))
+            reason = str(marker.get("reason", ""))
+            when = marker.get("quarantined_at")
+        except (OSError, ValueError, AttributeError) as exc:
+            reason, when = f"(quarantine marker unreadable: {exc})", None
+        return Quarantined(step=step, name=name, reason=reason, quarantined_at=when)
+
+    def _is_quarantined(self, step_path: str) -> bool:
+        if self.is_local:
+            return os.path.exists(os.path.join(step_path, QUARANTINE_NAME))
+        target = f"{step_path}/{QUARANTINE_NAME}"
+
+        def fresh_exists() -> bool:
+            self.fs.invalidate_cache(target)
+            return bool(self.fs.exists(target))
+
+        return self._call(f"check {target}", fresh_exists)
+
+    def _move_quarantined_aside(self, step: int) -> None:
+        """Move a quarantined ``step_<N>/`` to ``step_<N>.quarantined-<ns>/`` (kept, unlisted),
+        so that a new save can take its name."""
+        source = self.step_path(step)
+        target = self.path(f"{step_dir_name(step)}.quarantined-{time.time_ns()}")
+        log.warning("moving quarantined step %d aside to %s before saving it again", step, target)
+        if self.is_local:
+            os.rename(source, target)
+            _fsync_dir(self.root)
+            return
+        files = sorted(self._find(source))
+        for name in files:  # copy everything, the record and the marker last, then delete
+            if name not in (RECORD_NAME, QUARANTINE_NAME):
+                self._call(f"copy {name}", self.fs.copy, f"{source}/{name}", f"{target}/{name}")
+        for name in (QUARANTINE_NAME, RECORD_NAME):
+            if name in files:
+                self._call(f"copy {name}", self.fs.copy, f"{source}/{name}", f"{target}/{name}")
+        for name in (RECORD_NAME, QUARANTINE_NAME):
+            if name in files:
+                self._call(f"delete {name}", self.fs.rm_file, f"{source}/{name}")
+        rest = [f"{source}/{n}" for n in files if n not in (RECORD_NAME, QUARANTINE_NAME)]
+        self._remove_tree(source, rest)
 
     def _read_bytes(self, path: str) -> bytes:
         return self._call(f"read {path}", self.fs.cat_file, path)
@@ -241,6 +451,11 @@ class CheckpointStorage:
             self.fs.makedirs(path, exist_ok=True)
             return
         existing = self._find(path)
+        if RECORD_NAME in existing and QUARANTINE_NAME in existing:
+            step = parse_step_dir_name(path.rstrip("/").rsplit("/", 1)[-1])
+            if step is not None:
+                self._move_quarantined_aside(step)
+                existing = self._find(path)
         if RECORD_NAME in existing:
             raise AlreadyCommittedError(f"{path} is already committed")
         if existing:
@@ -256,10 +471,11 @@ class CheckpointStorage:
         elif not self.is_object_store:
             self._call(f"create {path}", self.fs.makedirs, path, exist_ok=True)
 
-    def write_json(self, path: str, payload: Any) -> None:
-        """Write a JSON document (fsynced on local disks)."""
+    def write_json(self, path: str, payload: Any) -> tuple[int, int]:
+        """Write a JSON document (fsynced on local disks); returns its (size, CRC-32)."""
         data = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
         self._write_bytes(path, data)
+        return len(data), zlib.crc32(data)
 
     def _write_bytes(self, path: str, data: bytes) -> None:
         if self.is_local:
@@ -298,6 +514,8 @@ class CheckpointStorage:
         self._write_bytes(os.path.join(path, RECORD_NAME), record.to_json())
         _fsync_dir(path)
         final = self.step_path(step)
+        if self._is_quarantined(final) and os.path.exists(os.path.join(final, RECORD_NAME)):
+            self._move_quarantined_aside(step)
         if os.path.exists(final):
             if os.path.exists(os.path.join(final, RECORD_NAME)):
                 raise AlreadyCommittedError(f"step {step} was committed by another writer")

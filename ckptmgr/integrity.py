@@ -1,0 +1,237 @@
+"""Integrity of a checkpoint: per-file checksums, computed while writing and checked on reading.
+
+Every file of a step is listed in its commit record with its size and its CRC-32 (``zlib.crc32``,
+the checksum of gzip and zip). The checksum is computed while the bytes stream out of the writer
+(a hashing wrapper around the streams DCP writes, around the spool of a remote upload, and around
+ckptmgr's own JSON files), never in a second pass over the data. On restore every file's size is
+checked, and the checksum of every file that is read; :func:`verify_step` checks one step on
+demand (sizes, or with ``deep=True`` the checksums of every file).
+
+Paths from a commit record or from DCP's metadata are checked by :func:`check_relative_path`:
+they never leave the step directory.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import threading
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptmgr.errors import CorruptCheckpointError
+
+_READ_CHUNK = 8 * 2**20
+
+
+def crc32_update(crc: int, data: Any) -> int:
+    """``crc`` extended by the bytes-like ``data``."""
+    return zlib.crc32(data, crc)
+
+
+def check_relative_path(path: str, *, step: int | None = None) -> str:
+    """``path`` if it is a plain relative path inside a step directory, else
+    ``CorruptCheckpointError``: no absolute paths, no ``..``, no backslashes, no empty parts."""
+    if (
+        not isinstance(path, str)
+        or not path
+        or "\\" in path
+        or "\x00" in path
+        or path.startswith("/")
+        or posixpath.isabs(path)
+        or os.path.isabs(path)
+        or ":" in path.split("/", 1)[0]  # a drive letter or a URL scheme
+        or any(part in ("", ".", "..") for part in path.split("/"))
+    ):
+        raise CorruptCheckpointError(
+            f"checkpoint names the path {path!r}, which is not inside its step directory",
+            path=str(path),
+            step=step,
+        )
+    return path
+
+
+class ChecksumLog:
+    """Thread-safe record of the files a writer produced: name -> (size, crc32).
+
+    DCP writes one file per writer thread; each one registers its size and checksum here when
+    its stream is closed.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, size: int, crc: int) -> None:
+        """Record (or replace) the size and checksum of ``name``."""
+        with self._lock:
+            self._entries[name] = (size, crc)
+
+    def rename(self, old: str, new: str) -> None:
+        """Move the entry of ``old`` (if any) to ``new``."""
+        with self._lock:
+            entry = self._entries.pop(old, None)
+            if entry is not None:
+                self._entries[new] = entry
+
+    def discard(self, name: str) -> None:
+        """Forget ``name``."""
+        with self._lock:
+            self._entries.pop(name, None)
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """A copy of every entry."""
+        with self._lock:
+            return dict(self._entries)
+
+
+class HashingWriter(io.RawIOBase):
+    """A write-only stream that counts and checksums what passes through to ``target``.
+
+    Every other attribute (``fileno`` for DCP's fsync, ``flush``) is the target's.
+    """
+
+    def __init__(self, target: Any) -> None:
+        super().__init__()
+        self._target = target
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        """True."""
+        return True
+
+    def write(self, data: Any) -> int:  # bytes-like
+        """Write ``data`` to the target and add it to the checksum."""
+        view = memoryview(data)
+        written = self._target.write(view)
+        count = view.nbytes if written is None else int(written)
+        if count != view.nbytes:  # a raw target wrote part: checksum exactly what it took
+            view = view.cast("B")[:count]
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += count
+        return count
+
+    def tell(self) -> int:
+        """Bytes written so far (DCP's offsets into the file)."""
+        return self.size
+
+    def fileno(self) -> int:
+        """The target's file descriptor (``io.UnsupportedOperation`` when it has none)."""
+        fileno = getattr(self._target, "fileno", None)
+        if fileno is None:
+            raise io.UnsupportedOperation("fileno")
+        return int(fileno())
+
+    def flush(self) -> None:
+        """Flush the target."""
+        flush = getattr(self._target, "flush", None)
+        if flush is not None and not getattr(self._target, "closed", False):
+            flush()
+
+    def close(self) -> None:
+        """Mark this wrapper closed; the target is closed by whoever opened it."""
+        if not self.closed:
+            self.flush()
+        super().close()
+
+
+def crc32_of_stream(stream: Any) -> tuple[int, int]:
+    """(size, crc32) of everything ``stream`` yields from its current position."""
+    crc, size = 0, 0
+    while True:
+        chunk = stream.read(_READ_CHUNK)
+        if not chunk:
+            return size, crc
+        crc = zlib.crc32(chunk, crc)
+        size += len(chunk)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the commit record says about one file."""
+
+    size: int
+    crc32: int | None
+
+
+def expected_files(entries: Iterable[Any], *, step: int | None = None) -> dict[str, Expected]:
+    """``FileEntry`` list -> name -> :class:`Expected`, every path checked."""
+    return {
+        check_relative_path(entry.path, step=step): Expected(entry.size, entry.crc32)
+        for entry in entries
+    }
+
+
+def check_content(
+    name: str,
+    expected: Mapping[str, Expected] | None,
+    size: int,
+    crc: int,
+    *,
+    step: int | None = None,
+) -> None:
+    """Raise ``CorruptCheckpointError`` when ``name``'s bytes differ from its record entry.
+
+    ``expected`` None means the record lists no files (a record older than checksums): nothing
+    is checked. A file the record does not list is refused.
+    """
+    if expected is None:
+        return
+    entry = expected.get(name)
+    if entry is None:
+        raise CorruptCheckpointError(
+            f"{name} is not listed in the commit record", path=name, step=step
+        )
+    if size != entry.size:
+        raise CorruptCheckpointError(
+            f"{name} has {size} bytes, the commit record says {entry.size}: the file is damaged",
+            path=name,
+            step=step,
+        )
+    if entry.crc32 is not None and crc != entry.crc32:
+        raise CorruptCheckpointError(
+            f"{name} has CRC-32 {crc:08x}, the commit record says {entry.crc32:08x}: "
+            "the file is damaged",
+            path=name,
+            step=step,
+        )
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    """One file of a step that failed verification."""
+
+    path: str
+    problem: str
+
+
+def check_sizes(
+    expected: Mapping[str, Expected], actual_sizes: Mapping[str, int]
+) -> list[FileProblem]:
+    """Problems of a step's files from a listing (name -> size): missing or wrong size."""
+    problems = []
+    for name, entry in sorted(expected.items()):
+        size = actual_sizes.get(name)
+        if size is None:
+            problems.append(FileProblem(name, "missing"))
+        elif size != entry.size:
+            problems.append(
+                FileProblem(name, f"has {size} bytes, the commit record says {entry.size}")
+            )
+    return problems
+
+
+def raise_problems(problems: list[FileProblem], step: int) -> None:
+    """Raise one ``CorruptCheckpointError`` naming every problem (nothing if there is none)."""
+    if not problems:
+        return
+    text = "; ".join(f"{p.path} {p.problem}" for p in problems)
+    raise CorruptCheckpointError(
+        f"step {step} is damaged: {text}",
+        path=problems[0].path,
+        step=step,
+    )

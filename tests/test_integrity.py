@@ -1,0 +1,481 @@
+"""Checksums in the commit record, verify, restore_latest with quarantine, and safe loading.
+
+Every test damages real files (bit flips, truncation, deletion, crafted pickles) and checks that
+ckptmgr notices, names the file, and never runs code from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import uuid
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from conftest import REPO, run_python
+
+from ckptmgr import CheckpointError, CheckpointManager, CorruptCheckpointError, StepNotFoundError
+from ckptmgr.record import CommitRecord
+from ckptmgr.storage import CheckpointStorage, step_dir_name
+
+N = 4096
+
+
+def state_of(step: int) -> dict[str, object]:
+    """A state whose values depend on ``step``."""
+    return {
+        "w": torch.arange(N, dtype=torch.float32) + step,
+        "b": torch.full((7,), float(step)),
+        "progress": {"step": step, "name": f"run-{step}"},
+    }
+
+
+def empty_state() -> dict[str, object]:
+    """A state to restore into (every value differs from any saved one)."""
+    return {"w": torch.zeros(N), "b": torch.zeros(7), "progress": {"step": -1, "name": ""}}
+
+
+def assert_state_of(state: dict[str, object], step: int) -> None:
+    expected = state_of(step)
+    assert torch.equal(state["w"], expected["w"])  # type: ignore[arg-type]
+    assert torch.equal(state["b"], expected["b"])  # type: ignore[arg-type]
+    assert state["progress"] == expected["progress"]
+
+
+def manager(root: str) -> CheckpointManager:
+    return CheckpointManager(root, 1, chkpt_on_preemption=False)
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A checkpoint root on local disk (DCP's FileSystemWriter) or in memory (the fsspec path
+    through RetryingFileSystem, as for gs:// and s3://)."""
+    if request.param == "local":
+        yield str(tmp_path / "ckpts")
+        return
+    name = f"/integrity-{uuid.uuid4().hex}"
+    yield f"memory://{name}"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(name):
+        fs.rm(name, recursive=True)
+
+
+def step_file(root: str, step: int, name: str) -> str:
+    storage = CheckpointStorage(root)
+    return storage.path(step_dir_name(step), name)
+
+
+def read(root: str, step: int, name: str) -> bytes:
+    storage = CheckpointStorage(root)
+    return storage.fs.cat_file(step_file(root, step, name))
+
+
+def write(root: str, step: int, name: str, data: bytes) -> None:
+    storage = CheckpointStorage(root)
+    storage.fs.pipe_file(step_file(root, step, name), data)
+
+
+def flip_bit(root: str, step: int, name: str, offset: int | None = None) -> None:
+    data = bytearray(read(root, step, name))
+    index = len(data) // 2 if offset is None else offset
+    data[index] ^= 0x10
+    write(root, step, name, bytes(data))
+
+
+def distcp_name(root: str, step: int) -> str:
+    return next(f.path for f in record_of(root, step).files if f.path.endswith(".distcp"))
+
+
+def record_of(root: str, step: int) -> CommitRecord:
+    return CheckpointStorage(root).read_record(step)
+
+
+# -- checksums in the record -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_record_lists_every_file_with_its_size_and_crc32(root: str, use_async: bool) -> None:
+    with manager(root) as mgr:
+        if use_async:
+            mgr.save_async(3, state_of(3))
+            mgr.join()
+        else:
+            mgr.save(3, state_of(3))
+    record = record_of(root, 3)
+    names = {entry.path for entry in record.files}
+    assert {".metadata", "objects-rank00000.json"} <= names
+    assert any(name.endswith(".distcp") for name in names)
+    for entry in record.files:
+        data = read(root, 3, entry.path)
+        assert entry.size == len(data)
+        assert entry.crc32 == zlib.crc32(data), entry.path
+    raw = json.loads(read(root, 3, "commit.json"))
+    assert all(isinstance(entry["crc32"], int) for entry in raw["files"])
+
+
+def test_records_without_checksums_still_restore_and_verify(root: str) -> None:
+    with manager(root) as mgr:
+        mgr.save(5, state_of(5))
+    raw = json.loads(read(root, 5, "commit.json"))
+    for entry in raw["files"]:
+        del entry["crc32"]  # as written before ckptmgr stored checksums
+    write(root, 5, "commit.json", json.dumps(raw).encode())
+    with manager(root) as mgr:
+        mgr.verify(5, deep=True)
+        state = empty_state()
+        mgr.restore(5, state)
+        assert_state_of(state, 5)
+
+
+# -- verify ------------------------------------------------------------------------------------
+
+
+def test_verify_checks_sizes_and_with_deep_checksums(root: str) -> None:
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        mgr.verify(1)
+        mgr.verify(1, deep=True)
+        name = distcp_name(root, 1)
+        flip_bit(root, 1, name)
+        mgr.verify(1)  # same size: the fast check cannot see a flipped bit
+        with pytest.raises(CorruptCheckpointError, match="CRC-32") as caught:
+            mgr.verify(1, deep=True)
+        assert caught.value.path == name and caught.value.step == 1
+        assert isinstance(caught.value, CheckpointError)
+
+
+def test_verify_names_truncated_and_missing_files(root: str) -> None:
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        data = read(root, 1, "objects-rank00000.json")
+        write(root, 1, "objects-rank00000.json", data[:-3])
+        CheckpointStorage(root).fs.rm_file(step_file(root, 1, ".metadata"))
+        with pytest.raises(CorruptCheckpointError) as caught:
+            mgr.verify(1)
+        message = str(caught.value)
+        assert ".metadata missing" in message
+        assert f"objects-rank00000.json has {len(data) - 3} bytes" in message
+        with pytest.raises(StepNotFoundError):
+            mgr.verify(2)
+
+
+# -- restore checks what it reads -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["distcp", ".metadata", "objects-rank00000.json"])
+def test_restore_detects_a_flipped_bit_and_names_the_file(root: str, target: str) -> None:
+    with manager(root) as mgr:
+        mgr.save(2, state_of(2))
+        name = distcp_name(root, 2) if target == "distcp" else target
+        flip_bit(root, 2, name)
+        state = empty_state()
+        with pytest.raises(CorruptCheckpointError, match=name.replace(".", r"\.")) as caught:
+            mgr.restore(2, state)
+        assert caught.value.path == name
+        assert caught.value.step == 2
+
+
+def test_restore_checks_the_size_of_every_file_even_unread_ones(root: str) -> None:
+    with manager(root) as mgr:
+        mgr.save(2, state_of(2))
+        # A file this restore would never open: sizes of every file are checked anyway.
+        write(root, 2, "objects-rank00007.json", b"{}")
+        raw = json.loads(read(root, 2, "commit.json"))
+        raw["files"].append({"path": "objects-rank00007.json", "size": 2})
+        write(root, 2, "commit.json", json.dumps(raw).encode())
+        mgr.restore(2, empty_state())
+        write(root, 2, "objects-rank00007.json", b"{")
+        with pytest.raises(CorruptCheckpointError, match=r"objects-rank00007\.json has 1 bytes"):
+            mgr.restore(2, empty_state())
+
+
+# -- restore_latest and quarantine ------------------------------------------------------------
+
+
+def test_restore_latest_quarantines_a_damaged_step_and_restores_the_next_older(root: str) -> None:
+    with manager(root) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, state_of(step))
+        flip_bit(root, 30, distcp_name(root, 30))
+        write(root, 20, "objects-rank00000.json", b"")  # truncated
+        state = empty_state()
+        assert mgr.restore_latest(state) == 10
+        assert_state_of(state, 10)
+        assert mgr.all_steps() == [10]
+        assert mgr.latest_step() == 10
+    storage = CheckpointStorage(root)
+    assert storage.committed_steps() == [10]
+    assert storage.quarantined_steps() == [20, 30]
+    marker = json.loads(read(root, 30, "quarantined.json"))
+    assert marker["step"] == 30 and "CRC-32" in marker["reason"]
+    with manager(root) as mgr:  # a new manager never lists them either
+        assert mgr.all_steps() == [10]
+        state = empty_state()
+        assert mgr.restore_latest(state) == 10
+        with pytest.raises(StepNotFoundError):
+            mgr.restore(30, state)
+
+
+def test_quarantined_steps_survive_retention_and_a_new_save_moves_them_aside(root: str) -> None:
+    with CheckpointManager(root, 1, max_to_keep=1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, state_of(1))
+        mgr.save(2, state_of(2))
+        assert mgr.all_steps() == [2]
+        flip_bit(root, 2, ".metadata")
+        assert mgr.restore_latest(empty_state()) is None
+        assert mgr.all_steps() == []
+        for step in (3, 4, 5):
+            mgr.save(step, state_of(step))
+        assert mgr.all_steps() == [5]
+        storage = CheckpointStorage(root)
+        assert storage.quarantined_steps() == [2]  # retention never deleted it
+        mgr.save(2, state_of(2), force=True)  # the same step again: the damaged one moves aside
+        assert 2 in mgr.all_steps()
+        state = empty_state()
+        mgr.restore(2, state)
+        assert_state_of(state, 2)
+    quarantined = storage.quarantined()
+    assert [q.step for q in quarantined] == [2]
+    assert quarantined[0].name.startswith("step_000000000002.quarantined-")
+    assert ".metadata" in quarantined[0].reason
+    assert storage.leftovers() == []  # not a leftover: the sweep never removes it
+
+
+def test_restore_latest_raises_state_mismatches_without_quarantining(root: str) -> None:
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        with pytest.raises(CheckpointError) as caught:
+            mgr.restore_latest({"not_in_checkpoint": torch.zeros(2)})
+        assert not isinstance(caught.value, CorruptCheckpointError)
+        assert mgr.all_steps() == [1]
+        assert CheckpointStorage(root).quarantined_steps() == []
+
+
+def test_restore_latest_returns_none_without_steps(root: str) -> None:
+    with manager(root) as mgr:
+        assert mgr.restore_latest(empty_state()) is None
+
+
+def test_restore_latest_quarantines_an_unparseable_record(root: str) -> None:
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        mgr.save(2, state_of(2))
+        write(root, 2, "commit.json", b'{"format_version": 1, "step": ')
+        state = empty_state()
+        assert mgr.restore_latest(state) == 1
+        assert_state_of(state, 1)
+    assert CheckpointStorage(root).quarantined_steps() == [2]
+
+
+# -- safe loading ------------------------------------------------------------------------------
+
+
+class Payload:
+    """Unpickling this would create a file: proof that code ran."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (Path.touch, (Path(self.target),))
+
+
+def forge(root: str, step: int, name: str, data: bytes, *, fix_record: bool) -> None:
+    """Replace ``name``; with ``fix_record`` also forge its size and CRC-32 in the record, as an
+    attacker who controls the bucket would."""
+    write(root, step, name, data)
+    if not fix_record:
+        return
+    raw = json.loads(read(root, step, "commit.json"))
+    for entry in raw["files"]:
+        if entry["path"] == name:
+            entry["size"], entry["crc32"] = len(data), zlib.crc32(data)
+    write(root, step, "commit.json", json.dumps(raw).encode())
+
+
+@pytest.mark.parametrize("fix_record", [False, True])
+def test_crafted_metadata_runs_nothing(root: str, tmp_path: Path, fix_record: bool) -> None:
+    proof = tmp_path / "code-ran"
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        forge(root, 1, ".metadata", pickle.dumps(Payload(str(proof))), fix_record=fix_record)
+        with pytest.raises(CorruptCheckpointError) as caught:
+            mgr.restore(1, empty_state())
+        if fix_record:
+            assert "refusing to load pathlib.Path.touch" in str(caught.value) or "refusing" in str(
+                caught.value
+            )
+        with pytest.raises(CorruptCheckpointError):
+            mgr.verify(1, deep=True)
+    assert not proof.exists()
+
+
+def test_crafted_tensor_record_runs_nothing(root: str, tmp_path: Path) -> None:
+    proof = tmp_path / "code-ran"
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        name = distcp_name(root, 1)
+        evil = pickle.dumps(Payload(str(proof)))
+        forge(
+            root,
+            1,
+            name,
+            evil + b"\0" * max(0, len(read(root, 1, name)) - len(evil)),
+            fix_record=True,
+        )
+        with pytest.raises(CorruptCheckpointError):
+            mgr.restore(1, empty_state())
+    assert not proof.exists()
+
+
+def test_crafted_objects_file_is_refused(root: str) -> None:
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        forge(root, 1, "objects-rank00000.json", b"[1, 2]", fix_record=True)
+        with pytest.raises(CorruptCheckpointError, match="not a JSON object"):
+            mgr.restore(1, empty_state())
+
+
+@pytest.mark.parametrize(
+    "bad_path", ["../step_000000000002/.metadata", "/etc/passwd", "a/../../b", "", "C:\\x"]
+)
+def test_paths_in_a_record_never_leave_the_step_directory(root: str, bad_path: str) -> None:
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        raw = json.loads(read(root, 1, "commit.json"))
+        raw["files"].append({"path": bad_path, "size": 1})
+        write(root, 1, "commit.json", json.dumps(raw).encode())
+        with pytest.raises(CorruptCheckpointError, match="not inside its step directory"):
+            mgr.restore(1, empty_state())
+        raw["files"].pop()
+        raw["object_files"] = [bad_path]
+        write(root, 1, "commit.json", json.dumps(raw).encode())
+        with pytest.raises(CorruptCheckpointError, match="not inside its step directory"):
+            mgr.restore(1, empty_state())
+
+
+def test_paths_in_dcp_metadata_never_leave_the_step_directory(root: str) -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from ckptmgr.dcp_io import load_metadata_safely
+
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        metadata = load_metadata_safely(_BytesStream(read(root, 1, ".metadata")))
+        for index, info in list(metadata.storage_data.items()):
+            metadata.storage_data[index] = _StorageInfo(
+                "../../outside.distcp", info.offset, info.length
+            )
+        forge(root, 1, ".metadata", pickle.dumps(metadata), fix_record=True)
+        with pytest.raises(CorruptCheckpointError, match="not inside its step directory"):
+            mgr.restore(1, empty_state())
+
+
+class _BytesStream:
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def read(self) -> bytes:
+        return self._data
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_cli_verify_reports_damage_with_exit_status_1(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpts")
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        mgr.save(2, state_of(2))
+    cli = [str(REPO / "ckptmgr" / "__main__.py")]
+    ok = run_python(Path(cli[0]), "verify", root, "--deep", "--json")
+    assert ok.returncode == 0, ok.stderr
+    report = json.loads(ok.stdout)
+    assert report["deep"] is True
+    assert [(row["step"], row["ok"]) for row in report["steps"]] == [(1, True), (2, True)]
+    assert all(row["checksums"] == row["files"] for row in report["steps"])
+
+    name = distcp_name(root, 2)
+    flip_bit(root, 2, name)
+    fast = run_python(Path(cli[0]), "verify", root, "2")
+    assert fast.returncode == 0, fast.stderr  # sizes only: a flipped bit is invisible
+    deep = run_python(Path(cli[0]), "verify", root, "2", "--deep", "--json")
+    assert deep.returncode == 1
+    row = json.loads(deep.stdout)["steps"][0]
+    assert row["ok"] is False and row["problems"][0]["path"] == name
+    assert "damaged step(s): [2]" in deep.stderr
+
+    with manager(root) as mgr:
+        assert mgr.restore_latest(empty_state()) == 1
+    listing = run_python(Path(cli[0]), "ls", root, "--all", "--json")
+    assert listing.returncode == 0, listing.stderr
+    ls_report = json.loads(listing.stdout)
+    assert [row["step"] for row in ls_report["steps"]] == [1]
+    assert [(row["name"], row["kind"]) for row in ls_report["leftovers"]] == [
+        ("step_000000000002", "quarantined")
+    ]
+    text = run_python(Path(cli[0]), "verify", root, "2", "--deep")
+    assert text.returncode == 1 and "quarantined" in text.stdout
+
+
+# -- several ranks -------------------------------------------------------------------------------
+
+DIST_SCRIPT = r"""
+import json, os, socket, sys
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+def run(rank, port, root):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from ckptmgr import CheckpointManager, PerRank
+    with CheckpointManager(root, 1, chkpt_on_preemption=False) as mgr:
+        for step in (1, 2):
+            mine = PerRank(torch.full((10,), float(rank)))
+            state = {"w": torch.ones(100) * step, "r": mine, "x": rank}
+            mgr.save_async(step, state)
+        mgr.join()
+        dist.barrier()
+        if rank == 1:  # only rank 1 reads its plain values: only rank 1 sees the damage
+            path = os.path.join(root, "step_000000000002", "objects-rank00001.json")
+            data = open(path, "rb").read()
+            open(path, "wb").write(data[:-1] + b" ")
+        dist.barrier()
+        state = {"w": torch.zeros(100), "r": PerRank(torch.zeros(10)), "x": -1}
+        step = mgr.restore_latest(state)
+        print(f"rank {rank} restored {step} x={state['x']} w={state['w'][0].item()} "
+              f"r={state['r'].value[0].item()} steps={mgr.all_steps()}", flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run, args=(r, port, sys.argv[1])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(150)
+    sys.exit(max(p.exitcode if p.exitcode is not None else 99 for p in procs))
+"""
+
+
+def test_two_ranks_record_every_ranks_checksums_and_agree_on_quarantine(tmp_path: Path) -> None:
+    script = tmp_path / "dist_integrity.py"
+    script.write_text(DIST_SCRIPT)
+    root = tmp_path / "ckpts"
+    result = run_python(script, str(root), timeout=200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} restored 1 x={rank} w=1.0 r={float(rank)} steps=[1]" in result.stdout
+    record = CheckpointStorage(str(root)).read_record(1)
+    names = {entry.path for entry in record.files}
+    assert {"__0_0.distcp", "__1_0.distcp", "objects-rank00001.json", ".metadata"} <= names
+    for entry in record.files:
+        assert entry.crc32 == zlib.crc32((root / "step_000000000001" / entry.path).read_bytes())
+    assert CheckpointStorage(str(root)).quarantined_steps() == [2]
