@@ -793,14 +793,31 @@ def _with_checksums(
 
 
 def _unwrap_dcp_error(error: BaseException) -> BaseException:
-    """The original exception inside DCP's ``CheckpointException`` (first failing rank)."""
+    """The original exception inside DCP's ``CheckpointException`` (first failing rank).
+
+    When that exception is not an ``OSError`` but was raised from or while handling one, the
+    ``OSError`` is returned: torch.save's zip writer turns a failed write (``ENOSPC`` included)
+    into ``RuntimeError("[enforce fail ...] unexpected pos ...")``, which says nothing useful.
+    """
     failures = getattr(error, "failures", None)
     if isinstance(error, CheckpointException) and isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
         if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
-            return first[0]
+            return _os_error_behind(first[0])
         if isinstance(first, BaseException):
-            return first
+            return _os_error_behind(first)
+    return _os_error_behind(error)
+
+
+def _os_error_behind(error: BaseException) -> BaseException:
+    """The first ``OSError`` in the cause/context chain of ``error``, else ``error`` itself."""
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and all(current is not other for other in seen):
+        if isinstance(current, OSError):
+            return current
+        seen.append(current)
+        current = current.__cause__ or current.__context__
     return error
 
 

@@ -1,0 +1,470 @@
+"""The owner lease: one writing job per checkpoint root.
+
+Two jobs that are misconfigured to write the same root would interleave their steps and delete
+each other's checkpoints through retention. The lease detects this. The writing job keeps a
+record, ``owner.json``, at the root::
+
+    {"format_version": 1, "job_id": "...", "host": "...", "boot_id": "...", "pid": 1234,
+     "pid_start": "...", "lease_id": "...", "acquired_at": 1700000000.0,
+     "heartbeat": 1700000030.0, "timeout_s": 60.0}
+
+* **Acquire.** With no record, the record is written create-only (``O_EXCL`` locally, a
+  conditional write on object stores that support it). A record of another job makes
+  :meth:`OwnerLease.acquire` raise :class:`LeaseHeldError` naming the owner, unless the owner is
+  **dead** (same host, and its pid no longer exists or is now another process), its heartbeat is
+  **stale** (older than ``timeout_s``), it belongs to the **same job** (a restart of the same
+  ``job_id``, such as a torchelastic restart), or ``take_over=True``. Taking over rewrites the
+  record and reads it back.
+* **Heartbeat.** A daemon thread rewrites ``heartbeat`` every ``heartbeat_interval_s`` (default a
+  quarter of ``timeout_s``). If the record it finds is no longer its own (another job took over),
+  it stops and :meth:`OwnerLease.check` raises :class:`LeaseLostError` from then on.
+* **Release.** :meth:`OwnerLease.release` stops the heartbeat and deletes the record if it is
+  still this holder's.
+
+Managers in one process share one holding per root (reference counted), so a process never
+conflicts with itself; ranks of one job share the lease because only rank 0 acquires it.
+Read-only use (listing, restoring, the command line) never touches the lease.
+
+Limits: the lease detects misconfiguration, it is no lock service. Between two heartbeats a
+writer that lost the lease can still commit one step; "stale" compares the record's time with
+the local clock, so hosts with skewed clocks need a ``timeout_s`` above the skew.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+from ckptmgr.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+LEASE_NAME = "owner.json"
+LEASE_FORMAT_VERSION = 1
+DEFAULT_TIMEOUT_S = 60.0
+JOB_ID_VARIABLES = ("CKPTMGR_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+"""Environment variables that name the job, first found wins; else the process is the job."""
+
+
+class LeaseHeldError(CheckpointError):
+    """The root is owned by another live job; ``owner`` is its record."""
+
+    def __init__(self, path: str, owner: Owner, now: float) -> None:
+        self.owner = owner
+        super().__init__(
+            f"checkpoint root {path} is owned by another job: {owner.describe(now)}. Two jobs "
+            "must not write the same root; point this job at another path, or pass "
+            "take_over=True if that job is gone (a dead owner on this host, or one whose "
+            f"heartbeat is older than {owner.timeout_s:g} s, is taken over automatically)"
+        )
+
+
+class LeaseLostError(CheckpointError):
+    """Another job took over the lease of a root that this process held."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The record in ``owner.json``: who writes the root, and since when."""
+
+    job_id: str
+    host: str
+    boot_id: str | None
+    pid: int
+    pid_start: str | None
+    lease_id: str
+    acquired_at: float
+    heartbeat: float
+    timeout_s: float
+    format_version: int = LEASE_FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Owner:
+        """Parse a record; ``ValueError`` for anything that is not one."""
+        raw = json.loads(data)
+        if not isinstance(raw, Mapping):
+            raise ValueError("owner record is not a JSON object")
+        try:
+            return cls(
+                job_id=str(raw["job_id"]),
+                host=str(raw["host"]),
+                boot_id=None if raw.get("boot_id") is None else str(raw["boot_id"]),
+                pid=int(raw["pid"]),
+                pid_start=None if raw.get("pid_start") is None else str(raw["pid_start"]),
+                lease_id=str(raw["lease_id"]),
+                acquired_at=float(raw["acquired_at"]),
+                heartbeat=float(raw["heartbeat"]),
+                timeout_s=float(raw.get("timeout_s", DEFAULT_TIMEOUT_S)),
+                format_version=int(raw.get("format_version", LEASE_FORMAT_VERSION)),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"owner record lacks a field or has a bad one: {exc!r}") from None
+
+    def describe(self, now: float) -> str:
+        return (
+            f"job {self.job_id!r} on host {self.host!r}, pid {self.pid}, heartbeat "
+            f"{max(now - self.heartbeat, 0.0):.1f} s ago"
+        )
+
+    def same_host(self) -> bool:
+        """True when the record was written on this machine, in this boot."""
+        if self.host != socket.gethostname():
+            return False
+        return self.boot_id is None or self.boot_id == _boot_id()
+
+    def is_dead(self) -> bool:
+        """True when the owner ran on this host and its process is gone (or the pid reused)."""
+        if not self.same_host():
+            return False
+        if not _pid_exists(self.pid):
+            return True
+        start = _pid_start(self.pid)
+        return self.pid_start is not None and start is not None and start != self.pid_start
+
+    def is_stale(self, now: float, timeout_s: float) -> bool:
+        return now - self.heartbeat > timeout_s
+
+
+def default_job_id() -> str:
+    """The job's identity from the environment (``JOB_ID_VARIABLES``), else this process's."""
+    for name in JOB_ID_VARIABLES:
+        value = os.environ.get(name)
+        if value:
+            return f"{name}={value}"
+    return f"process:{socket.gethostname()}:{os.getpid()}:{_pid_start(os.getpid()) or ''}"
+
+
+def read_owner(fs: AbstractFileSystem, root: str) -> Owner | None:
+    """The owner record under ``root``, or None; ``CheckpointError`` if it is damaged."""
+    path = _lease_path(root)
+    try:
+        data = fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return Owner.from_json(data)
+    except ValueError as exc:
+        raise CheckpointError(f"owner record {path} is damaged: {exc}") from exc
+
+
+class _Holding:
+    """This process's hold on one root's lease, shared by every manager of the process."""
+
+    def __init__(self, fs: AbstractFileSystem, path: str, owner: Owner, interval_s: float) -> None:
+        self.fs = fs
+        self.path = path
+        self.owner = owner
+        self.interval_s = interval_s
+        self.users = 0
+        self.lost: LeaseLostError | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._beat, name=f"ckptmgr-lease {self.path}", daemon=True
+        )
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.refresh()
+            except LeaseLostError as exc:
+                log.error("%s", exc)
+                return
+            except Exception as exc:  # a transient storage error: the next beat tries again
+                log.warning("could not refresh the owner lease %s: %s", self.path, exc)
+
+    def refresh(self) -> None:
+        """Rewrite the heartbeat if the record is still ours; else remember and raise the loss."""
+        if self.lost is not None:
+            raise self.lost
+        current = _read(self.fs, self.path)
+        if current is None or current.lease_id != self.owner.lease_id:
+            now = time.time()
+            by = "nobody (the record was deleted)" if current is None else current.describe(now)
+            self.lost = LeaseLostError(
+                f"the owner lease of {self.path} was taken over by {by}; this process must "
+                "stop writing checkpoints there"
+            )
+            raise self.lost
+        updated = Owner(**{**asdict(self.owner), "heartbeat": time.time()})
+        _overwrite(self.fs, self.path, updated.to_json())
+        self.owner = updated
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, 2 * self.interval_s))
+            self._thread = None
+
+
+_HOLDINGS: dict[str, _Holding] = {}
+_HOLDINGS_LOCK = threading.Lock()
+
+
+class OwnerLease:
+    """A handle on the lease of one checkpoint root (see the module docstring).
+
+    ``fs``/``root`` name the root as fsspec sees it. ``job_id`` defaults to
+    :func:`default_job_id`. ``timeout_s`` is how old a heartbeat must be before the lease counts
+    as abandoned; ``heartbeat_interval_s`` (default ``timeout_s / 4``) how often it is refreshed.
+    """
+
+    def __init__(
+        self,
+        fs: AbstractFileSystem,
+        root: str,
+        *,
+        job_id: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        heartbeat_interval_s: float | None = None,
+        take_over: bool = False,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"lease timeout_s must be > 0, got {timeout_s}")
+        self.fs = fs
+        self.path = _lease_path(root)
+        self.job_id = job_id or default_job_id()
+        self.timeout_s = float(timeout_s)
+        self.heartbeat_interval_s = (
+            float(heartbeat_interval_s) if heartbeat_interval_s else self.timeout_s / 4
+        )
+        self.take_over = take_over
+        self.previous: Owner | None = None
+        """The record this handle replaced when it acquired (a dead, stale or displaced owner)."""
+        self._holding: _Holding | None = None
+
+    @property
+    def owner(self) -> Owner | None:
+        """The record this handle holds, or None when it holds nothing."""
+        return None if self._holding is None else self._holding.owner
+
+    def acquire(self) -> Owner:
+        """Become the owner, or raise :class:`LeaseHeldError`; returns the record written."""
+        if self._holding is not None:
+            return self._holding.owner
+        key = self._key()
+        with _HOLDINGS_LOCK:
+            holding = _HOLDINGS.get(key)
+            if holding is None or holding.lost is not None:
+                holding = self._acquire_fresh()
+                _HOLDINGS[key] = holding
+                holding.start()
+            holding.users += 1
+            self._holding = holding
+        return holding.owner
+
+    def _acquire_fresh(self) -> _Holding:
+        mine = self._record()
+        for _ in range(3):  # another process may create or delete the record in between
+            current = _read(self.fs, self.path)
+            if current is None:
+                try:
+                    _create_only(self.fs, self.path, mine.to_json())
+                except FileExistsError:
+                    continue
+                return _Holding(self.fs, self.path, mine, self.heartbeat_interval_s)
+            reason = self._why_take(current)
+            if reason is None:
+                raise LeaseHeldError(self.path, current, time.time())
+            log.warning(
+                "taking over the owner lease of %s from %s: %s",
+                self.path,
+                current.describe(time.time()),
+                reason,
+            )
+            _overwrite(self.fs, self.path, mine.to_json())
+            written = _read(self.fs, self.path)
+            if written is None or written.lease_id != mine.lease_id:
+                continue  # another process took over at the same time: decide again
+            self.previous = current
+            return _Holding(self.fs, self.path, mine, self.heartbeat_interval_s)
+        raise CheckpointError(
+            f"could not acquire the owner lease {self.path}: it kept changing under us "
+            "(several jobs starting on the same root at once?)"
+        )
+
+    def _why_take(self, current: Owner) -> str | None:
+        """Why ``current``'s lease may be taken over, or None when it must be respected."""
+        now = time.time()
+        if current.job_id == self.job_id:
+            return "the same job (a restart)"
+        if current.is_dead():
+            return f"its process {current.pid} no longer exists on this host"
+        if current.is_stale(now, self.timeout_s):
+            return f"its heartbeat is older than {self.timeout_s:g} s"
+        if self.take_over:
+            return "take_over=True"
+        return None
+
+    def _record(self) -> Owner:
+        now = time.time()
+        return Owner(
+            job_id=self.job_id,
+            host=socket.gethostname(),
+            boot_id=_boot_id(),
+            pid=os.getpid(),
+            pid_start=_pid_start(os.getpid()),
+            lease_id=uuid.uuid4().hex,
+            acquired_at=now,
+            heartbeat=now,
+            timeout_s=self.timeout_s,
+        )
+
+    def _key(self) -> str:
+        return self.fs.unstrip_protocol(self.path)
+
+    def refresh(self) -> None:
+        """Refresh the heartbeat now (the daemon thread does this on its own)."""
+        if self._holding is None:
+            raise CheckpointError("the owner lease is not held")
+        with _HOLDINGS_LOCK:
+            self._holding.refresh()
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLostError` if the heartbeat found the lease taken over."""
+        if self._holding is not None and self._holding.lost is not None:
+            raise self._holding.lost
+
+    def release(self) -> None:
+        """Give the lease back: delete the record if it is still ours. Idempotent."""
+        holding, self._holding = self._holding, None
+        if holding is None:
+            return
+        with _HOLDINGS_LOCK:
+            holding.users -= 1
+            if holding.users > 0:
+                return
+            if _HOLDINGS.get(self._key()) is holding:
+                del _HOLDINGS[self._key()]
+        holding.stop()
+        if holding.lost is not None:
+            return
+        try:
+            current = _read(self.fs, self.path)
+            if current is not None and current.lease_id == holding.owner.lease_id:
+                self.fs.rm_file(self.path)
+        except Exception as exc:  # a dead-owner record is taken over by the next job anyway
+            log.warning("could not release the owner lease %s: %s", self.path, exc)
+
+    def __enter__(self) -> OwnerLease:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _lease_path(root: str) -> str:
+    return f"{root.rstrip('/')}/{LEASE_NAME}"
+
+
+def _read(fs: AbstractFileSystem, path: str) -> Owner | None:
+    """The record at ``path``, None if absent; a damaged record counts as absent-but-taken."""
+    fs.invalidate_cache(path)
+    try:
+        data = fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return Owner.from_json(data)
+    except ValueError as exc:
+        log.warning("owner record %s is damaged (%s); treating it as stale", path, exc)
+        return Owner(
+            job_id="<damaged record>",
+            host="",
+            boot_id=None,
+            pid=-1,
+            pid_start=None,
+            lease_id="",
+            acquired_at=0.0,
+            heartbeat=0.0,
+            timeout_s=DEFAULT_TIMEOUT_S,
+        )
+
+
+def _create_only(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write ``path`` unless it exists (``FileExistsError``)."""
+    if isinstance(fs, LocalFileSystem):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    try:
+        fs.pipe_file(path, data, mode="create")
+        return
+    except TypeError:  # an fsspec without conditional writes: check, then write
+        pass
+    fs.invalidate_cache(path)
+    if fs.exists(path):
+        raise FileExistsError(path)
+    fs.pipe_file(path, data)
+
+
+def _overwrite(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    """Replace ``path`` in one step (write a temporary file and rename it, locally)."""
+    if isinstance(fs, LocalFileSystem):
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        return
+    fs.pipe_file(path, data)
+
+
+def _pid_exists(pid: int) -> bool:
+    """True while process ``pid`` runs (a zombie, killed but not yet reaped, does not count)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    fields = _proc_stat(pid)
+    return not (fields and fields[0] in ("Z", "X"))
+
+
+def _pid_start(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (Linux), else None."""
+    fields = _proc_stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read().decode(errors="replace")
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            return handle.read().strip() or None
+    except OSError:
+        return None

@@ -1,0 +1,380 @@
+"""The owner lease (ckptmgr.lease) between real processes on a real directory.
+
+A child interpreter acquires or probes the lease and reports over its stdout what happened;
+the test waits for those lines (bounded) and kills the child with a real SIGKILL where the test
+is about a dead owner. Records of other hosts and old heartbeats are written as files, because
+they cannot be produced on one machine in reasonable time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import pytest
+from conftest import REPO
+from fsspec.implementations.local import LocalFileSystem
+
+from ckptmgr import CheckpointError
+from ckptmgr.lease import (
+    LEASE_NAME,
+    LeaseHeldError,
+    LeaseLostError,
+    Owner,
+    OwnerLease,
+    read_owner,
+)
+
+BOUND_S = 90.0  # every wait on a child: importing ckptmgr (torch) on a busy machine
+
+CHILD_CODE = r"""
+import json, sys
+from fsspec.implementations.local import LocalFileSystem
+from ckptmgr.lease import LeaseHeldError, OwnerLease
+root, job_id, take_over = sys.argv[1], sys.argv[2] or None, sys.argv[3] == "1"
+lease = OwnerLease(LocalFileSystem(), root, job_id=job_id, take_over=take_over,
+                   heartbeat_interval_s=float(sys.argv[4]))
+try:
+    owner = lease.acquire()
+except LeaseHeldError as error:
+    print("refused " + json.dumps({"message": str(error), "pid": error.owner.pid}), flush=True)
+    sys.exit(0)
+print("held " + json.dumps({"pid": owner.pid, "lease_id": owner.lease_id}), flush=True)
+command = sys.stdin.readline().strip()  # the parent says when to let go (or kills us)
+if command == "release":
+    lease.release()
+    print("released", flush=True)
+"""
+
+
+class LeaseChild:
+    """A child interpreter running CHILD_CODE; its first stdout line says what it got."""
+
+    def __init__(
+        self, root: Path, job_id: str = "", take_over: bool = False, interval_s: float = 15.0
+    ) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CHILD_CODE,
+                str(root),
+                job_id,
+                "1" if take_over else "0",
+                str(interval_s),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    def first_line(self) -> tuple[str, dict[str, object]]:
+        """(``held`` or ``refused``, details), waiting at most BOUND_S."""
+        line = self._readline()
+        word, _, payload = line.partition(" ")
+        return word, json.loads(payload)
+
+    def _readline(self) -> str:
+        assert self.proc.stdout is not None
+        import selectors
+
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            if not selector.select(BOUND_S):
+                self.proc.kill()
+                pytest.fail(f"the child said nothing within {BOUND_S:.0f}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(BOUND_S)
+            assert self.proc.stderr is not None
+            pytest.fail(f"the child exited (rc={self.proc.returncode}): {self.proc.stderr.read()}")
+        return line.strip()
+
+    def release(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("release\n")
+        self.proc.stdin.flush()
+        assert self._readline() == "released"
+        assert self.proc.wait(BOUND_S) == 0
+
+    def sigkill(self) -> None:
+        """SIGKILL the child and reap it: its pid no longer exists afterwards."""
+        assert self.proc.poll() is None, "the child was not running"
+        self.proc.send_signal(signal.SIGKILL)
+        assert self.proc.wait(BOUND_S) == -signal.SIGKILL
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(BOUND_S)
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def children() -> Iterator[list[LeaseChild]]:
+    started: list[LeaseChild] = []
+    yield started
+    for child in started:
+        child.close()
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpts"
+    path.mkdir()
+    return path
+
+
+def lease_of(root: Path, **kwargs: object) -> OwnerLease:
+    return OwnerLease(LocalFileSystem(), str(root), **kwargs)  # type: ignore[arg-type]
+
+
+def record(root: Path) -> dict[str, object]:
+    return json.loads((root / LEASE_NAME).read_text())
+
+
+def write_record(root: Path, **fields: object) -> None:
+    """An owner.json as another job would have written it."""
+    now = time.time()
+    values: dict[str, object] = {
+        "format_version": 1,
+        "job_id": "other-job",
+        "host": "some-other-host",
+        "boot_id": None,
+        "pid": 4242,
+        "pid_start": None,
+        "lease_id": "f" * 32,
+        "acquired_at": now,
+        "heartbeat": now,
+        "timeout_s": 60.0,
+    }
+    values.update(fields)
+    (root / LEASE_NAME).write_text(json.dumps(values))
+
+
+def test_second_process_refuses_while_the_owner_lives(
+    root: Path, children: list[LeaseChild]
+) -> None:
+    owner = lease_of(root, job_id="job-A")
+    held = owner.acquire()
+    try:
+        assert record(root)["pid"] == os.getpid() == held.pid
+        child = LeaseChild(root, job_id="job-B")
+        children.append(child)
+        word, details = child.first_line()
+        assert word == "refused", details
+        message = str(details["message"])
+        assert "owned by another job" in message
+        assert "'job-A'" in message and f"pid {os.getpid()}" in message
+        assert "take_over=True" in message
+        assert record(root)["lease_id"] == held.lease_id  # untouched by the refused child
+    finally:
+        owner.release()
+    assert not (root / LEASE_NAME).exists()
+
+
+def test_owner_killed_with_sigkill_is_taken_over(root: Path, children: list[LeaseChild]) -> None:
+    child = LeaseChild(root, job_id="job-A")
+    children.append(child)
+    word, details = child.first_line()
+    assert word == "held", details
+    assert record(root)["pid"] == details["pid"] == child.proc.pid
+
+    # While the child lives, this process (another job) is refused, naming the child.
+    with pytest.raises(LeaseHeldError) as refused:
+        lease_of(root, job_id="job-B").acquire()
+    assert refused.value.owner.pid == child.proc.pid
+    assert f"pid {child.proc.pid}" in str(refused.value)
+
+    child.sigkill()  # no release: owner.json stays behind, naming a pid that is gone
+    assert record(root)["pid"] == child.proc.pid
+    lease = lease_of(root, job_id="job-B")
+    owner = lease.acquire()
+    try:
+        assert lease.previous is not None and lease.previous.pid == child.proc.pid
+        assert record(root)["lease_id"] == owner.lease_id
+        assert record(root)["job_id"] == "job-B"
+    finally:
+        lease.release()
+
+
+def test_killed_but_unreaped_owner_counts_as_dead(root: Path, children: list[LeaseChild]) -> None:
+    child = LeaseChild(root, job_id="job-A")
+    children.append(child)
+    assert child.first_line()[0] == "held"
+    os.kill(child.proc.pid, signal.SIGKILL)
+    # Wait (bounded) until the kernel made it a zombie; it is not reaped yet.
+    deadline = time.monotonic() + BOUND_S
+    while Path(f"/proc/{child.proc.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child never became a zombie"
+        time.sleep(0.01)
+    with lease_of(root, job_id="job-B") as lease:
+        assert lease.previous is not None and lease.previous.pid == child.proc.pid
+
+
+def test_released_lease_is_free_for_the_next_process(
+    root: Path, children: list[LeaseChild]
+) -> None:
+    first = LeaseChild(root, job_id="job-A")
+    children.append(first)
+    assert first.first_line()[0] == "held"
+    first.release()
+    assert not (root / LEASE_NAME).exists()
+    second = LeaseChild(root, job_id="job-B")
+    children.append(second)
+    assert second.first_line()[0] == "held"
+    assert record(root)["job_id"] == "job-B"
+
+
+def test_take_over_displaces_a_live_owner_which_then_learns_it_lost(
+    root: Path, children: list[LeaseChild]
+) -> None:
+    lease = lease_of(root, job_id="job-A", heartbeat_interval_s=3600)
+    lease.acquire()
+    try:
+        child = LeaseChild(root, job_id="job-B", take_over=True)
+        children.append(child)
+        word, details = child.first_line()
+        assert word == "held", details
+        assert record(root)["pid"] == child.proc.pid
+        with pytest.raises(LeaseLostError, match="taken over by job 'job-B'"):
+            lease.refresh()
+        with pytest.raises(LeaseLostError):
+            lease.check()
+    finally:
+        lease.release()
+    assert record(root)["pid"] == child.proc.pid, "releasing a lost lease deleted the new owner's"
+    child.release()
+    assert not (root / LEASE_NAME).exists()
+
+
+def test_the_same_job_restarting_takes_over(root: Path, children: list[LeaseChild]) -> None:
+    """A torchelastic restart: same job id, the old rank 0 may not even be dead yet."""
+    child = LeaseChild(root, job_id="TORCHELASTIC_RUN_ID=run-7")
+    children.append(child)
+    assert child.first_line()[0] == "held"
+    with lease_of(root, job_id="TORCHELASTIC_RUN_ID=run-7") as lease:
+        assert lease.previous is not None and lease.previous.pid == child.proc.pid
+
+
+def test_job_id_comes_from_the_environment(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CKPTMGR_JOB_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc123")
+    with lease_of(root) as lease:
+        assert record(root)["job_id"] == "TORCHELASTIC_RUN_ID=abc123"
+        assert lease.job_id == "TORCHELASTIC_RUN_ID=abc123"
+
+
+def test_live_owner_on_another_host_is_respected_until_its_heartbeat_is_stale(
+    root: Path,
+) -> None:
+    write_record(root, heartbeat=time.time() - 30)
+    with pytest.raises(LeaseHeldError) as refused:
+        lease_of(root, job_id="me", timeout_s=60).acquire()
+    assert "'other-job' on host 'some-other-host'" in str(refused.value)
+    assert record(root)["job_id"] == "other-job"
+
+    with lease_of(root, job_id="me", timeout_s=20) as lease:  # 30 s old > 20 s: stale
+        assert lease.previous is not None and lease.previous.job_id == "other-job"
+        assert record(root)["job_id"] == "me"
+
+
+def test_take_over_true_displaces_a_fresh_owner(root: Path) -> None:
+    write_record(root)
+    with lease_of(root, job_id="me", take_over=True) as lease:
+        assert lease.previous is not None and lease.previous.host == "some-other-host"
+        assert record(root)["job_id"] == "me"
+
+
+def test_damaged_record_is_taken_over(root: Path) -> None:
+    (root / LEASE_NAME).write_text("{not json")
+    with lease_of(root, job_id="me"):
+        assert record(root)["job_id"] == "me"
+    with pytest.raises(CheckpointError, match="damaged"):
+        (root / LEASE_NAME).write_text("[]")
+        read_owner(LocalFileSystem(), str(root))
+
+
+def test_heartbeat_thread_refreshes_the_record(root: Path) -> None:
+    with lease_of(root, job_id="me", heartbeat_interval_s=0.05) as lease:
+        first = float(record(root)["heartbeat"])  # type: ignore[arg-type]
+        deadline = time.monotonic() + BOUND_S
+        while float(record(root)["heartbeat"]) <= first:  # type: ignore[arg-type]
+            assert time.monotonic() < deadline, "the heartbeat was never refreshed"
+            time.sleep(0.01)
+        assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
+        assert not [p for p in os.listdir(root) if p.endswith(".tmp")]
+
+
+def test_heartbeat_thread_notices_a_take_over(root: Path) -> None:
+    with lease_of(root, job_id="me", heartbeat_interval_s=0.05) as lease:
+        write_record(root, job_id="thief", lease_id="e" * 32)
+        deadline = time.monotonic() + BOUND_S
+        while True:
+            try:
+                lease.check()
+            except LeaseLostError as lost:
+                assert "'thief'" in str(lost)
+                break
+            assert time.monotonic() < deadline, "the heartbeat never noticed the take-over"
+            time.sleep(0.01)
+    assert record(root)["job_id"] == "thief", "the loser deleted or overwrote the new record"
+
+
+def test_handles_in_one_process_share_the_lease(root: Path) -> None:
+    first = lease_of(root, job_id="job-A")
+    second = lease_of(root, job_id="job-A")
+    a, b = first.acquire(), second.acquire()
+    assert a.lease_id == b.lease_id
+    first.release()
+    assert record(root)["lease_id"] == a.lease_id, "released while another handle holds it"
+    second.release()
+    assert not (root / LEASE_NAME).exists()
+    second.release()  # idempotent
+
+
+def test_lease_on_an_fsspec_store() -> None:
+    """Non-local stores take the create-only write path; memory:// stands in for them."""
+    fs = fsspec.filesystem("memory")
+    url_root = "/lease-test-root"
+    fs.makedirs(url_root, exist_ok=True)
+    foreign = Owner(
+        job_id="other-job",
+        host="some-other-host",
+        boot_id=None,
+        pid=4242,
+        pid_start=None,
+        lease_id="f" * 32,
+        acquired_at=time.time(),
+        heartbeat=time.time(),
+        timeout_s=60.0,
+    )
+    fs.pipe_file(f"{url_root}/{LEASE_NAME}", foreign.to_json())
+    with pytest.raises(LeaseHeldError, match="'other-job'"):
+        OwnerLease(fs, url_root, job_id="job-A").acquire()
+    fs.rm_file(f"{url_root}/{LEASE_NAME}")
+    lease = OwnerLease(fs, url_root, job_id="job-A")
+    lease.acquire()
+    try:
+        owner = read_owner(fs, url_root)
+        assert isinstance(owner, Owner) and owner.job_id == "job-A"
+    finally:
+        lease.release()
+    assert read_owner(fs, url_root) is None
+
+
+def test_invalid_timeout_is_rejected(root: Path) -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        lease_of(root, timeout_s=0)
