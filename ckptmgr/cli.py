@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import logging
 import math
@@ -805,31 +806,9 @@ def run_rm(args: argparse.Namespace) -> int:
     for step in steps:
         if step not in committed:
             raise StepNotFoundError(step, committed)
-    deleted = delete_with_progress(storage, steps, delete_committed_steps)
+    deleted = delete_with_progress(storage, steps, functools.partial(delete_steps, purpose="rm"))
     emit({"root": storage.url, "deleted": deleted}, args.json, render_rm)
     return EXIT_OK
-
-
-def delete_committed_steps(
-    storage: CheckpointStorage,
-    steps: Sequence[int],
-    on_deleted: Callable[[int], None] | None = None,
-) -> None:
-    """Delete ``steps``; tries every one, then raises ``CheckpointError`` naming the failures."""
-    failures: list[tuple[int, Exception]] = []
-    for step in steps:
-        try:
-            storage.delete_step(step)
-        except Exception as error:
-            failures.append((step, error))
-        if on_deleted is not None:
-            on_deleted(step)
-    if failures:
-        first_step, first_error = failures[0]
-        raise CheckpointError(
-            f"could not delete step(s) {[step for step, _ in failures]} "
-            f"(step {first_step}: {_one_line(first_error)})"
-        ) from first_error
 
 
 def render_rm(report: Report, out: TextIO) -> None:

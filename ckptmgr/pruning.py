@@ -88,8 +88,14 @@ def delete_steps(
     storage: CheckpointStorage,
     steps: Iterable[int],
     on_deleted: Callable[[int], None] | None = None,
+    *,
+    purpose: str = "retention",
 ) -> None:
-    """Delete ``steps``; tries every one, then raises ``CheckpointError`` naming the failures."""
+    """Delete ``steps``; tries every one, then raises ``CheckpointError`` naming the failures.
+
+    ``on_deleted`` is called after each step that was deleted; ``purpose`` names the caller in
+    logs and errors.
+    """
     failures: list[tuple[int, Exception]] = []
     for step in steps:
         try:
@@ -97,14 +103,16 @@ def delete_steps(
         except Exception as exc:
             failures.append((step, exc))
             continue
-        log.info("deleted step %d (retention)", step)
+        log.info("deleted step %d (%s)", step, purpose)
         if on_deleted is not None:
             on_deleted(step)
     if failures:
+        first_step, first_error = failures[0]
+        first_line = (str(first_error).strip().splitlines() or [""])[0]
         raise CheckpointError(
-            f"retention could not delete step(s) {[s for s, _ in failures]}; they stay in storage "
-            "and a later retention pass tries again"
-        ) from failures[0][1]
+            f"{purpose} could not delete step(s) {[s for s, _ in failures]} (step {first_step}: "
+            f"{type(first_error).__name__}: {first_line}); they stay in storage"
+        ) from first_error
 
 
 def log_plan(plan_: RetentionPlan, *, dry_run: bool) -> None:
