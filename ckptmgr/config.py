@@ -83,6 +83,24 @@ class CheckpointConfig(BaseModel):
     collective_timeout_s: float = Field(
         default=600.0, gt=0, description="Timeout of the manager's own collectives."
     )
+    take_over: bool = Field(
+        default=False,
+        strict=True,
+        description="Take the owner lease (owner.json) of the root from another job that still "
+        "looks alive; a dead or stale owner is taken over without it.",
+    )
+    lease_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="An owner lease whose heartbeat is older than this many seconds is taken "
+        "over (the heartbeat is refreshed every lease_timeout_s / 4).",
+    )
+    read_only: bool = Field(
+        default=False,
+        strict=True,
+        description="List and restore only: no owner lease, no leftover sweep, no preemption "
+        "handlers; save and save_async raise CheckpointError.",
+    )
 
     @field_validator("path", mode="before")
     @classmethod

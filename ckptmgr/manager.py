@@ -25,6 +25,7 @@ from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptmgr.integrity import expected_files, raise_problems
+from ckptmgr.lease import OwnerLease
 from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNotice
 from ckptmgr.record import CommitRecord, FileEntry, TensorEntry, utc_now
 from ckptmgr.retry import RetryConfig
@@ -84,6 +85,9 @@ class CheckpointManager:
         preemption: PreemptionConfig | None = None,
         leftover_grace_s: float = 600.0,
         collective_timeout_s: float = 600.0,
+        take_over: bool = False,
+        lease_timeout_s: float = 60.0,
+        read_only: bool = False,
     ) -> None:
         config = CheckpointConfig(
             path=path,
@@ -102,6 +106,9 @@ class CheckpointManager:
             preemption=preemption,
             leftover_grace_s=leftover_grace_s,
             collective_timeout_s=collective_timeout_s,
+            take_over=take_over,
+            lease_timeout_s=lease_timeout_s,
+            read_only=read_only,
         )
         self._start(config)
 
@@ -136,14 +143,49 @@ class CheckpointManager:
         self._preemption_claimed: int | None = None
         self._preemption_reached: int | None = None
         listed: list[int] = []
-        if self._comm.is_coordinator:
-            self._storage.remove_leftovers(config.leftover_grace_s)
-            listed = self._storage.committed_steps()
-        self._committed: set[int] = set(self._comm.broadcast(listed, self._comm.background_group))
-        # Signals, cloud metadata servers, the trigger file and (on TPU VMs) XLA's sync manager.
-        self._preemption = (
-            PreemptionMonitor(config.preemption) if config.chkpt_on_preemption else None
+        # One writing job per root: rank 0 holds the owner lease for the job (see lease.py).
+        self._lease: OwnerLease | None = None
+        lease_error: CheckpointError | None = None
+        if self._comm.is_coordinator and config.read_only:
+            listed = self._storage.committed_steps()  # no lease, no sweep: another job may write
+        elif self._comm.is_coordinator:
+            lease = OwnerLease(
+                self._storage.fs,
+                self._storage.root,
+                timeout_s=config.lease_timeout_s,
+                take_over=config.take_over,
+            )
+            try:
+                lease.acquire()
+                self._lease = lease
+                self._storage.remove_leftovers(config.leftover_grace_s)
+                listed = self._storage.committed_steps()
+            except BaseException as exc:
+                lease.release()
+                self._lease = None
+                if not isinstance(exc, CheckpointError):
+                    raise
+                lease_error = exc
+        refused, listed = self._comm.broadcast(
+            (None if lease_error is None else str(lease_error), listed),
+            self._comm.background_group,
         )
+        if lease_error is not None:
+            raise lease_error
+        if refused is not None:
+            raise CheckpointError(refused)
+        self._committed: set[int] = set(listed)
+        # Signals, cloud metadata servers, the trigger file and (on TPU VMs) XLA's sync manager.
+        try:
+            self._preemption = (
+                PreemptionMonitor(config.preemption)
+                if config.chkpt_on_preemption and not config.read_only
+                else None
+            )
+        except BaseException:
+            if self._lease is not None:
+                self._lease.release()
+            raise
         self._decisions = 0  # save decisions taken, the same count on every rank
         self._answered_notice: PreemptionNotice | None = None  # its exit_code for exit_after_save
         self._closed = False
@@ -328,6 +370,11 @@ class CheckpointManager:
     ) -> _SaveRequest | None:
         """Validate, decide, and snapshot the plain values; None when nothing is to be saved."""
         self._check_open()
+        if self.config.read_only:
+            raise CheckpointError(
+                "this CheckpointManager was opened with read_only=True: it lists and restores "
+                "but never saves"
+            )
         step = _checked_step(step)
         checked_metrics = _checked_metrics(metrics)
         checked_metadata = _checked_metadata(metadata)
@@ -358,6 +405,8 @@ class CheckpointManager:
         if comm.is_coordinator:
             save_id = uuid.uuid4().hex[:16]
             try:
+                if self._lease is not None:
+                    self._lease.check()  # another job took the root over: write nothing
                 storage.prepare_write_dir(storage.write_dir(step, save_id))
                 prepared = (save_id, None)
             except Exception as exc:
@@ -517,6 +566,8 @@ class CheckpointManager:
         finally:
             if self._preemption is not None:
                 self._preemption.close()
+            if self._lease is not None:
+                self._lease.release()
         self._writer.raise_first_error()
 
     def __enter__(self) -> CheckpointManager:

@@ -243,7 +243,11 @@ def _gather(value: Any) -> list[Any]:
 
 
 def _disk_steps(directory: str) -> list[str]:
-    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    return (
+        sorted(n for n in os.listdir(directory) if n != "owner.json")
+        if os.path.isdir(directory)
+        else []
+    )
 
 
 def _restore_checks(manager: Any, steps: list[int], rank: int) -> list[dict[str, Any]]:

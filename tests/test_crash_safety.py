@@ -210,6 +210,11 @@ def parse_report(lines: list[str]) -> ChildReport:
     return ChildReport(attempted, confirmed)
 
 
+def entries(root: Path) -> list[str]:
+    """The names under ``root``, sorted, without the owner lease record (``owner.json``)."""
+    return sorted(name for name in os.listdir(root) if name != "owner.json")
+
+
 def committed_on_disk(root: Path) -> list[int]:
     """Steps whose step_<N>/commit.json exists, read from the directory itself."""
     steps = []
@@ -236,7 +241,7 @@ def verify_after_crash(
 ) -> tuple[list[int], list[str]]:
     """The checks 1-2 of the module docstring; returns (listed steps, leftovers found)."""
     assert report.confirmed, "the child never confirmed a commit"
-    before = sorted(os.listdir(root))
+    before = entries(root)
     leftovers = [
         n for n in before if not (n.startswith("step_") and (root / n / "commit.json").exists())
     ]
@@ -247,7 +252,7 @@ def verify_after_crash(
         assert set(listed) <= report.attempted, f"listed {listed} but attempted {report.attempted}"
         check_restores(manager, listed, spec, report.attempted - set(listed))
     # Fresh leftovers are younger than the default grace: a live writer could own them.
-    assert sorted(os.listdir(root)) == before
+    assert entries(root) == before
 
     for step in report.confirmed:
         newer = [s for s in listed if s > step]
@@ -262,7 +267,7 @@ def verify_after_crash(
         root, save_interval=1, chkpt_on_preemption=False, leftover_grace_s=0
     ) as manager:
         assert manager.all_steps() == listed
-        after = sorted(os.listdir(root))
+        after = entries(root)
         assert after == [f"step_{s:012d}" for s in listed], f"leftovers remain: {after}"
         assert all((root / name / "commit.json").is_file() for name in after)
         check_restores(manager, listed[-1:], spec, set())

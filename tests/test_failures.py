@@ -392,7 +392,7 @@ def test_unsaveable_object_fails_at_save_naming_the_key_path(
         assert "extras" in str(caught.value)
         mgr.join()
         assert mgr.all_steps() == []
-        assert os.listdir(ckpt_dir) == []
+        assert os.listdir(ckpt_dir) in ([], ["owner.json"])
         # The manager stays usable and the step is free for a good state.
         del state["extras"][f"bad_{label}"]
         assert save(5, state) is True
@@ -406,7 +406,7 @@ def test_unsaveable_object_inside_a_list_is_named(ckpt_dir: Path) -> None:
         with pytest.raises(CheckpointError, match="history"):
             mgr.save(0, state)
         assert mgr.all_steps() == []
-        assert os.listdir(ckpt_dir) == []
+        assert os.listdir(ckpt_dir) in ([], ["owner.json"])
 
 
 def test_restore_of_unknown_step_lists_available_steps(ckpt_dir: Path) -> None:
@@ -516,7 +516,7 @@ def test_leftovers_are_removed_by_a_new_manager_after_the_grace_age(ckpt_dir: Pa
     ) as mgr:
         assert mgr.all_steps() == [3]
         assert [p for p in leftovers if p.exists()] == []
-        assert sorted(os.listdir(ckpt_dir)) == ["step_000000000003"]
+        assert sorted(n for n in os.listdir(ckpt_dir) if n != "owner.json") == ["step_000000000003"]
         assert mgr.save(5, make_state(5)) is True
         assert mgr.save(7, make_state(7)) is True
         assert mgr.all_steps() == [3, 5, 7]

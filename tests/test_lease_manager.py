@@ -1,0 +1,221 @@
+"""The owner lease through CheckpointManager: two jobs on one root, real processes.
+
+A child interpreter runs a manager on the root, commits a step and reports over stdout; the
+test then constructs managers in this process (another job: the job identity of a process
+without TORCHELASTIC_RUN_ID/SLURM_JOB_ID/CKPTMGR_JOB_ID is the process itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, run_python
+
+from ckptmgr import CheckpointError, CheckpointManager
+from ckptmgr.lease import LEASE_NAME
+
+BOUND_S = 90.0
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+]
+
+CHILD_CODE = r"""
+import sys, torch
+from ckptmgr import CheckpointError, CheckpointManager
+root, timeout = sys.argv[1], float(sys.argv[2])
+manager = CheckpointManager(root, 1, chkpt_on_preemption=False, lease_timeout_s=timeout)
+manager.save(1, {"w": torch.full((4,), 1.0)})
+print("saved 1", flush=True)
+for line in sys.stdin:  # "save <step>" or "close"
+    words = line.split()
+    if words[0] == "close":
+        manager.close()
+        print("closed", flush=True)
+        break
+    step = int(words[1])
+    try:
+        manager.save(step, {"w": torch.full((4,), float(step))})
+        print(f"saved {step}", flush=True)
+    except CheckpointError as error:
+        print("failed " + str(error).replace("\n", " "), flush=True)
+"""
+
+
+class ManagerChild:
+    """A child process that owns the root through its CheckpointManager."""
+
+    def __init__(self, root: Path, lease_timeout_s: float = 60.0) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+        for name in ("CKPTMGR_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+            env.pop(name, None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD_CODE, str(root), str(lease_timeout_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert self.readline() == "saved 1"
+
+    def readline(self) -> str:
+        assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            if not selector.select(BOUND_S):
+                self.proc.kill()
+                pytest.fail(f"the child said nothing within {BOUND_S:.0f}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(BOUND_S)
+            assert self.proc.stderr is not None
+            pytest.fail(f"the child exited (rc={self.proc.returncode}): {self.proc.stderr.read()}")
+        return line.strip()
+
+    def send(self, command: str) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.readline()
+
+    def sigkill(self) -> None:
+        assert self.proc.poll() is None
+        self.proc.send_signal(signal.SIGKILL)
+        assert self.proc.wait(BOUND_S) == -signal.SIGKILL
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(BOUND_S)
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def children() -> Iterator[list[ManagerChild]]:
+    started: list[ManagerChild] = []
+    yield started
+    for child in started:
+        child.close()
+
+
+@pytest.fixture
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for name in ("CKPTMGR_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path / "ckpts"
+
+
+def manager(root: Path, **kwargs: object) -> CheckpointManager:
+    return CheckpointManager(root, 1, chkpt_on_preemption=False, **kwargs)  # type: ignore[arg-type]
+
+
+def owner_pid(root: Path) -> int:
+    return int(json.loads((root / LEASE_NAME).read_text())["pid"])
+
+
+def test_second_writer_refuses_at_construction_naming_the_owner(
+    root: Path, children: list[ManagerChild]
+) -> None:
+    child = ManagerChild(root)
+    children.append(child)
+    assert owner_pid(root) == child.proc.pid
+    with pytest.raises(CheckpointError) as refused:
+        manager(root)
+    message = str(refused.value)
+    assert "owned by another job" in message and f"pid {child.proc.pid}" in message
+    assert "take_over=True" in message
+    # The refused manager touched nothing: the owner goes on saving.
+    assert child.send("save 2") == "saved 2"
+    assert owner_pid(root) == child.proc.pid
+
+
+def test_owner_killed_with_sigkill_never_blocks_a_restart(
+    root: Path, children: list[ManagerChild]
+) -> None:
+    child = ManagerChild(root)
+    children.append(child)
+    assert child.send("save 2") == "saved 2"
+    child.sigkill()
+    assert owner_pid(root) == child.proc.pid  # the dead owner's record is still there
+    with manager(root) as restarted:
+        assert owner_pid(root) == os.getpid()
+        assert restarted.all_steps() == [1, 2]
+        restored = {"w": torch.zeros(4)}
+        restarted.restore(2, restored)
+        assert torch.equal(restored["w"], torch.full((4,), 2.0))
+        assert restarted.save(3, {"w": torch.full((4,), 3.0)})
+    assert not (root / LEASE_NAME).exists(), "close() did not release the lease"
+
+
+def test_take_over_displaces_a_live_owner_whose_next_save_fails(
+    root: Path, children: list[ManagerChild]
+) -> None:
+    child = ManagerChild(root, lease_timeout_s=0.4)  # heartbeat every 0.1 s
+    children.append(child)
+    with manager(root, take_over=True) as thief:
+        assert owner_pid(root) == os.getpid()
+        assert thief.save(5, {"w": torch.full((4,), 5.0)})
+        # The displaced owner learns it at its next heartbeat; its saves then write nothing.
+        # Its first attempt may race the heartbeat, so ask a bounded number of times.
+        answers = [child.send(f"save {step}") for step in range(10, 10 + 50)]
+        failed = [a for a in answers if a.startswith("failed")]
+        assert failed, f"the displaced owner kept saving: {answers[-3:]}"
+        assert "taken over by" in failed[0]
+        assert all(a.startswith("failed") for a in answers[answers.index(failed[0]) :])
+        assert owner_pid(root) == os.getpid()
+    assert child.send("close") == "closed"
+    assert not (root / LEASE_NAME).exists()
+
+
+def test_read_only_use_needs_no_lease(root: Path, children: list[ManagerChild]) -> None:
+    child = ManagerChild(root)
+    children.append(child)
+    result = run_python("from ckptmgr.cli import main; main()", "ls", str(root), timeout=BOUND_S)
+    assert result.returncode == 0, result.stderr
+    assert "1" in result.stdout
+    assert owner_pid(root) == child.proc.pid
+
+
+def test_a_read_only_manager_restores_while_another_job_writes(
+    root: Path, children: list[ManagerChild]
+) -> None:
+    child = ManagerChild(root)
+    children.append(child)
+    with CheckpointManager(root, 1, read_only=True) as reader:
+        assert reader.all_steps() == [1]
+        restored = {"w": torch.zeros(4)}
+        reader.restore(1, restored)
+        assert torch.equal(restored["w"], torch.full((4,), 1.0))
+        with pytest.raises(CheckpointError, match="read_only=True"):
+            reader.save(5, {"w": torch.ones(4)}, force=True)
+    assert owner_pid(root) == child.proc.pid
+    assert child.send("save 2") == "saved 2"
+
+
+def test_close_releases_and_managers_of_one_process_share(root: Path) -> None:
+    with manager(root) as first, manager(root) as second:
+        assert first.save(1, {"w": torch.ones(2)})
+        assert second.save(2, {"w": torch.ones(2)})
+        assert owner_pid(root) == os.getpid()
+    assert not (root / LEASE_NAME).exists()
+    with manager(root, leftover_grace_s=0) as again:
+        assert again.all_steps() == [1, 2]
+        assert sorted(os.listdir(root)) == [LEASE_NAME, "step_000000000001", "step_000000000002"]
+
+
+def test_lease_settings_are_validated(root: Path) -> None:
+    with pytest.raises(ValueError, match="lease_timeout_s"):
+        manager(root, lease_timeout_s=0)
+    with pytest.raises(ValueError, match="take_over"):
+        manager(root, take_over="yes")
