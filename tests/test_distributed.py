@@ -132,10 +132,16 @@ def _run_bounded(
     return launch
 
 
-def _torchrun(
-    name: str, out_dir: Path, *paths: Path, while_running: Callable[[], None] | None = None
+def torchrun(
+    name: str,
+    nproc: int,
+    script: Path,
+    out_dir: Path,
+    *args: str | Path,
+    timeout: float = LAUNCH_TIMEOUT_S,
+    while_running: Callable[[], None] | None = None,
 ) -> Launch:
-    """``torchrun --nproc-per-node 2 _dist_worker.py name out_dir paths...`` on a free port."""
+    """``torchrun --nproc-per-node nproc script args...`` on a free port, bounded in time."""
     launch: Launch | None = None
     for _ in range(PORT_ATTEMPTS):  # the free port may be taken between probing and binding
         command = [
@@ -145,7 +151,7 @@ def _torchrun(
             "--nnodes",
             "1",
             "--nproc-per-node",
-            str(NPROC),
+            str(nproc),
             "--master-addr",
             "127.0.0.1",
             "--master-port",
@@ -154,16 +160,23 @@ def _torchrun(
             "0",
             "--monitor-interval",
             "0.1",
-            str(WORKER),
-            name,
-            str(out_dir),
-            *map(str, paths),
+            str(script),
+            *map(str, args),
         ]
-        launch = _run_bounded(name, command, out_dir, LAUNCH_TIMEOUT_S, while_running)
+        launch = _run_bounded(name, command, out_dir, timeout, while_running)
         if launch.returncode == 0 or "address already in use" not in launch.stderr.lower():
             break
     assert launch is not None
     return launch
+
+
+def _torchrun(
+    name: str, out_dir: Path, *paths: Path, while_running: Callable[[], None] | None = None
+) -> Launch:
+    """``torchrun --nproc-per-node 2 _dist_worker.py name out_dir paths...``."""
+    return torchrun(
+        name, NPROC, WORKER, out_dir, name, out_dir, *paths, while_running=while_running
+    )
 
 
 @pytest.fixture(scope="module")

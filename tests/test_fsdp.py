@@ -18,14 +18,14 @@ modules and optimizers are keyed, located and restored.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import REPO
-from test_distributed import Launch, _free_port, _run_bounded
+from test_distributed import Launch
+from test_distributed import torchrun as distributed_torchrun
 from torch import nn
 
 from ckptmgr import CheckpointError, CheckpointManager, PerRank
@@ -36,39 +36,13 @@ from ckptmgr.storage import CheckpointStorage
 WORKER = Path(__file__).resolve().parent / "_fsdp_worker.py"
 EXAMPLE = REPO / "examples" / "train_fsdp.py"
 LAUNCH_TIMEOUT_S = 150.0
-PORT_ATTEMPTS = 3
 REPLICATED_PARTS = ("model", "optim", "tp", "ddp", "ddp_optim", "replicated")
 PER_RANK_PARTS = ("local", "rank_info", "progress")
 
 
 def torchrun(name: str, nproc: int, script: Path, out_dir: Path, *args: str | Path) -> Launch:
     """``torchrun --nproc-per-node nproc script args...`` on a free port, bounded in time."""
-    launch: Launch | None = None
-    for _ in range(PORT_ATTEMPTS):  # the free port may be taken between probing and binding
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            "--max-restarts",
-            "0",
-            "--monitor-interval",
-            "0.1",
-            str(script),
-            *map(str, args),
-        ]
-        launch = _run_bounded(name, command, out_dir, LAUNCH_TIMEOUT_S)
-        if launch.returncode == 0 or "address already in use" not in launch.stderr.lower():
-            break
-    assert launch is not None
-    return launch
+    return distributed_torchrun(name, nproc, script, out_dir, *args, timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
