@@ -22,7 +22,7 @@ import re
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +37,10 @@ from ckptmgr import objects
 from ckptmgr._version import __version__
 from ckptmgr.dcp_io import TensorOnlyLoadPlanner, make_reader, read_metadata_file
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+from ckptmgr.integrity import expected_files
+from ckptmgr.packing import PACK_KEY, placed_in_record, unpacked
 from ckptmgr.pruning import RecordReader, delete_steps, plan
-from ckptmgr.record import CommitRecord
+from ckptmgr.record import CommitRecord, is_raw
 from ckptmgr.retention import (
     KeepBest,
     KeepEveryNSeconds,
@@ -875,16 +877,34 @@ def export_state(storage: CheckpointStorage, record: CommitRecord, rank: int) ->
     through ckptmgr's restricted unpickler, and pickled (BYTE_IO) items are refused up front and
     again in the planner, never unpickled.
     """
-    step_url = storage.url_for(storage.step_path(record.step))
-    metadata = new_reader(storage, step_url).read_metadata()
+    metadata = new_reader(storage, record).read_metadata()
     refuse_pickled_items(metadata)
-    stored_names = tensors_for_rank(metadata, rank)
-    buffers = {name: empty_tensor_like(metadata.state_dict_metadata[name]) for name in stored_names}
-    exported = ExportedState(tensor_count=len(buffers))
+    placed = placed_in_record(record)
+    stored_tensors = [
+        name
+        for name, item in metadata.state_dict_metadata.items()
+        if isinstance(item, dcp_metadata.TensorStorageMetadata) and name != PACK_KEY
+    ]
+    stored_names = tensors_for_rank([*stored_tensors, *placed], rank)
+    buffers = {
+        name: empty_tensor_like(metadata.state_dict_metadata[name])
+        for name in stored_names
+        if name not in placed
+    }
+    if placed:
+        pack_item = metadata.state_dict_metadata.get(PACK_KEY)
+        if not isinstance(pack_item, dcp_metadata.TensorStorageMetadata):
+            raise CorruptCheckpointError(
+                "the record names packed tensors; the metadata has no pack"
+            )
+        buffers[PACK_KEY] = empty_tensor_like(pack_item)
+    exported = ExportedState(tensor_count=len(stored_names))
     exported.tensor_bytes = sum(t.numel() * t.element_size() for t in buffers.values())
     with progress("reading", exported.tensor_bytes, format_bytes) as bar:
         planner = ProgressLoadPlanner(on_loaded=bar.advance)
-        dcp.load(buffers, storage_reader=new_reader(storage, step_url), planner=planner)
+        dcp.load(buffers, storage_reader=new_reader(storage, record), planner=planner)
+    if placed:
+        buffers.update(unpacked(buffers.pop(PACK_KEY), placed))
     tree = NestedState()
     for name, path in stored_names.items():
         tree.insert(path, buffers[name])
@@ -896,13 +916,15 @@ def export_state(storage: CheckpointStorage, record: CommitRecord, rank: int) ->
     return exported
 
 
-def new_reader(storage: CheckpointStorage, step_url: str) -> Any:
-    """ckptmgr's safe DCP reader for one step directory."""
+def new_reader(storage: CheckpointStorage, record: CommitRecord) -> Any:
+    """ckptmgr's safe DCP reader for one committed step: files checked against ``record``."""
     return make_reader(
-        step_url,
+        storage.url_for(storage.step_path(record.step)),
         local=storage.is_local,
         storage_options=storage.storage_options,
         retry=storage.retry,
+        expected=expected_files(record.files, step=record.step) if record.files else None,
+        raw=is_raw(record),
     )
 
 
@@ -920,17 +942,15 @@ def refuse_pickled_items(metadata: dcp_metadata.Metadata) -> None:
         )
 
 
-def tensors_for_rank(metadata: dcp_metadata.Metadata, rank: int) -> dict[str, str]:
-    """Stored tensor name -> path, for what ``rank`` would restore.
+def tensors_for_rank(names: Iterable[str], rank: int) -> dict[str, str]:
+    """Stored tensor name -> path, for what ``rank`` would restore, among the stored ``names``.
 
     Shared tensors are stored under their path. Per-rank tensors (``%rank00003%/<path>``) are
     taken from ``rank``, or from rank 0 when ``rank`` has no copy; other ranks' copies are left out.
     """
     chosen: dict[str, str] = {}
     private: dict[str, dict[int, str]] = {}
-    for name, item in metadata.state_dict_metadata.items():
-        if not isinstance(item, dcp_metadata.TensorStorageMetadata):
-            continue
+    for name in names:
         match = RANK_PRIVATE_NAME.match(name)
         if match is None:
             chosen[name] = name

@@ -27,6 +27,7 @@ import threading
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -39,8 +40,19 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
+from ckptmgr import tensor_bytes
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.integrity import (
     ChecksumLog,
@@ -53,6 +65,11 @@ from ckptmgr.integrity import (
 )
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.storage import is_object_store, open_filesystem
+
+try:  # _StorageInfo (an item's file, offset and length) is private; stable since torch 2.0
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+except ImportError:  # pragma: no cover
+    _StorageInfo = None  # type: ignore[assignment,misc]
 
 try:  # FsspecReader/Writer live in a private module; the import path has been stable since 2.2.
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -88,12 +105,8 @@ _ALLOWED_GLOBALS[("pathlib", "WindowsPath")] = pathlib.PureWindowsPath
 _ALLOWED_GLOBALS[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
 _ALLOWED_GLOBALS[("pathlib", "PureWindowsPath")] = pathlib.PureWindowsPath
 _ALLOWED_GLOBALS[("collections", "OrderedDict")] = collections.OrderedDict
-try:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
+if _StorageInfo is not None:
     _ALLOWED_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
-except ImportError:  # pragma: no cover
-    pass
 
 
 def _layout_by_name(name: str) -> torch.layout:
@@ -232,6 +245,39 @@ class ChecksummingFileSystem(FileSystem):
         if self.checksums is not None:
             self.checksums.add(name, hashing.size, hashing.crc)
 
+    @contextmanager
+    def open_data_file(self, path: str | os.PathLike[str]) -> Iterator[tensor_bytes.TensorSink]:
+        """A data file written with raw tensor bytes: fsynced, its checksum logged on close."""
+        sink = tensor_bytes.LocalDataFile(path, fsync=True)
+        try:
+            yield sink
+        except BaseException:
+            sink.abort()
+            raise
+        size, crc = sink.close()
+        if self.checksums is not None:
+            self.checksums.add(_relative(self.root, path), size, crc)
+
+    @contextmanager
+    def open_data_source(self, path: str | os.PathLike[str]) -> Iterator[tensor_bytes.TensorSource]:
+        """A data file read in place, hashed as it is read and checked by ``finish()``."""
+        name = _relative(self.root, path)
+        check = None
+        if self.expected is not None:
+            expected = self.expected
+
+            def check(size: int, crc: int) -> None:
+                check_content(name, expected, size, crc)
+
+        try:
+            source = tensor_bytes.VerifyingLocalFile(path, name, check)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError("a data file is missing", path=name) from exc
+        try:
+            yield source
+        finally:
+            source.close()
+
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str | os.PathLike[str]:
         check_relative_path(suffix)
         return super().concat_path(path, suffix)
@@ -247,7 +293,182 @@ class ChecksummingFileSystem(FileSystem):
             self.checksums.discard(_relative(self.root, path))
 
 
-class ChecksummingFileSystemWriter(FileSystemWriter):
+DATA_SUFFIX = ".distcp"
+
+
+def _balanced(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
+    """``items`` split into at most ``bins`` lists of similar byte size (largest first)."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(max(1, bins))]
+    loads = [0] * len(buckets)
+    for item in sorted(items, key=_item_bytes, reverse=True):
+        lightest = loads.index(min(loads))
+        buckets[lightest].append(item)
+        loads[lightest] += _item_bytes(item)
+    return [bucket for bucket in buckets if bucket]
+
+
+def _item_bytes(item: WriteItem) -> int:
+    data = item.tensor_data
+    if data is None:
+        return 0
+    numel = 1
+    for size in data.chunk.sizes:
+        numel *= size
+    return numel * torch.empty((), dtype=data.properties.dtype).element_size()
+
+
+class _RawTensorWriter:
+    """Replaces DCP's ``write_data``: each tensor item is written as its raw bytes (see
+    :mod:`ckptmgr.tensor_bytes`), one data file per writer thread (``thread_count``)."""
+
+    fs: Any
+    path: Any
+    thread_count: int
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data.prefix
+        pickled = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
+        if pickled:
+            raise CheckpointError(f"ckptmgr stores only tensors through DCP, not {pickled}")
+        jobs = [
+            (f"{prefix}{number}{DATA_SUFFIX}", bucket)
+            for number, bucket in enumerate(_balanced(self.thread_count, plan.items))
+        ]
+        results: list[WriteResult] = []
+        if len(jobs) <= 1:
+            for name, items in jobs:
+                results.extend(self._write_file(planner, name, items))
+        else:
+            with ThreadPoolExecutor(len(jobs), thread_name_prefix="ckptmgr-write") as pool:
+                futures = [pool.submit(self._write_file, planner, *job) for job in jobs]
+                for future in futures:
+                    results.extend(future.result())
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def _write_file(
+        self, planner: SavePlanner, name: str, items: list[WriteItem]
+    ) -> list[WriteResult]:
+        results = []
+        with self.fs.open_data_file(self.fs.concat_path(self.path, name)) as sink:
+            for item in items:
+                offset, length = tensor_bytes.write_tensor(sink, planner.resolve_data(item))
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=length,
+                        storage_data=_StorageInfo(name, offset, length),
+                    )
+                )
+        return results
+
+
+class _RawTensorReader:
+    """Replaces DCP's ``read_data`` for checkpoints of raw tensor bytes (record format 2):
+    bytes go straight into the destination tensors where they can, files are read in parallel
+    (one thread per data file, up to ``READ_THREADS``), and every file is checked."""
+
+    fs: Any
+    path: Any
+    storage_data: dict[Any, Any]
+    raw: bool = False
+    _chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]
+
+    def set_up_storage_reader(
+        self, metadata: dcp_metadata.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)  # type: ignore[misc]
+        self._chunks = {}
+        for fqn, item in metadata.state_dict_metadata.items():
+            if isinstance(item, dcp_metadata.TensorStorageMetadata):
+                for chunk in item.chunks:
+                    key = (fqn, tuple(chunk.offsets))
+                    self._chunks[key] = (item.properties.dtype, tuple(chunk.sizes))
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if not self.raw:
+            return super().read_data(plan, planner)  # type: ignore[misc]
+        per_file: dict[str, list[ReadItem]] = {}
+        for request in plan.items:
+            info = self.storage_data[request.storage_index]
+            per_file.setdefault(info.relative_path, []).append(request)
+        jobs = list(per_file.items())
+        if len(jobs) <= 1:
+            for name, requests in jobs:
+                self._read_file(planner, name, requests)
+        else:
+            workers = min(len(jobs), READ_THREADS)
+            with ThreadPoolExecutor(workers, thread_name_prefix="ckptmgr-read") as pool:
+                for future in [pool.submit(self._read_file, planner, *job) for job in jobs]:
+                    future.result()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, planner: LoadPlanner, name: str, requests: list[ReadItem]) -> None:
+        by_chunk: dict[tuple[str, tuple[int, ...]], list[ReadItem]] = {}
+        for request in requests:
+            index = request.storage_index
+            by_chunk.setdefault((index.fqn, tuple(index.offset or ())), []).append(request)
+        ordered = sorted(
+            by_chunk.items(), key=lambda pair: self.storage_data[pair[1][0].storage_index].offset
+        )
+        loaded: list[tuple[list[ReadItem], torch.Tensor, torch.Tensor | None]] = []
+        with self.fs.open_data_source(self.fs.concat_path(self.path, name)) as source:
+            for key, chunk_requests in ordered:
+                found = self._chunks.get(key)
+                if found is None:
+                    raise CorruptCheckpointError(
+                        f"no stored chunk {key} in the checkpoint metadata", path=name
+                    )
+                dtype, sizes = found
+                info = self.storage_data[chunk_requests[0].storage_index]
+                direct = None
+                if len(chunk_requests) == 1 and _whole(chunk_requests[0], sizes):
+                    target = planner.resolve_tensor(chunk_requests[0]).detach()
+                    if tensor_bytes.reads_directly_into(target, dtype, sizes):
+                        direct = target
+                data = tensor_bytes.read_chunk(
+                    source, info.offset, info.length, dtype, sizes, direct
+                )
+                loaded.append((chunk_requests, data, direct))
+            source.finish()
+        for chunk_requests, data, direct in loaded:
+            for request in chunk_requests:
+                if direct is not None:
+                    planner.commit_tensor(request, direct)
+                    continue
+                piece = _narrow(data, request.storage_offsets, request.lengths)
+                target = planner.resolve_tensor(request).detach()
+                if target.size() != piece.size():
+                    raise CheckpointError(
+                        f"{request.storage_index.fqn!r}: stored piece {list(piece.size())} does "
+                        f"not fit the destination {list(target.size())}"
+                    )
+                target.copy_(piece)
+                planner.commit_tensor(request, target)
+
+
+READ_THREADS = 8
+"""Data files read at the same time by one rank during a restore."""
+
+
+def _whole(request: ReadItem, sizes: tuple[int, ...]) -> bool:
+    """True when ``request`` wants the whole stored chunk of ``sizes``."""
+    return all(offset == 0 for offset in request.storage_offsets) and tuple(
+        request.lengths
+    ) == tuple(sizes)
+
+
+def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+class ChecksummingFileSystemWriter(_RawTensorWriter, FileSystemWriter):
     """DCP's local writer (fsynced files) that checksums every file while writing it; the
     sizes and CRC-32s end up in ``checksums``."""
 
@@ -259,15 +480,21 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         self.fs = ChecksummingFileSystem(path, checksums=self.checksums)
 
 
-class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
+class SafeFileSystemReader(_RawTensorReader, _SafeMetadataMixin, FileSystemReader):
     """DCP's local reader with a restricted metadata unpickler; with ``expected`` (the commit
-    record's files), every file is checked against its size and CRC-32 before DCP reads it."""
+    record's files), every file is checked against its size and CRC-32. ``raw``: the data files
+    hold raw tensor bytes (record format 2), else DCP's ``torch.save`` items (format 1)."""
 
     def __init__(
-        self, path: str | os.PathLike[str], *, expected: Mapping[str, Expected] | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        expected: Mapping[str, Expected] | None = None,
+        raw: bool = True,
     ) -> None:
         super().__init__(path)
         self.fs = ChecksummingFileSystem(path, expected=expected)
+        self.raw = raw
 
 
 class TensorOnlyLoadPlanner(DefaultLoadPlanner):
@@ -440,6 +667,18 @@ class RetryingFileSystem(FileSystemBase):
             raise
         return spool, size, crc  # type: ignore[return-value]
 
+    @contextmanager
+    def open_data_file(self, path: str | os.PathLike[str]) -> Iterator[tensor_bytes.TensorSink]:
+        """A data file spooled locally (hashed as it is spooled) and uploaded when closed."""
+        with self.create_stream(path, "wb") as stream:
+            yield tensor_bytes.StreamSink(stream)
+
+    @contextmanager
+    def open_data_source(self, path: str | os.PathLike[str]) -> Iterator[tensor_bytes.TensorSource]:
+        """A data file downloaded (and checked) in one retried call, then read locally."""
+        with self.create_stream(path, "rb") as stream:
+            yield tensor_bytes.StreamSource(stream, _relative(self.root, path))
+
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         check_relative_path(suffix)
         return f"{os.fspath(path).rstrip('/')}/{suffix}"
@@ -499,7 +738,7 @@ class RetryingFileSystem(FileSystemBase):
         return self.retrier.call(f"list {path}", self.fs.ls, os.fspath(path), detail=False)
 
 
-class RetryingFsspecWriter(FsspecWriter):
+class RetryingFsspecWriter(_RawTensorWriter, FsspecWriter):
     """DCP's fsspec writer over :class:`RetryingFileSystem`: retried uploads, no ``os.sync()``,
     ``.metadata`` written directly, and never into a directory that holds a checkpoint."""
 
@@ -523,8 +762,9 @@ class RetryingFsspecWriter(FsspecWriter):
         self.path = path
 
 
-class SafeRetryingFsspecReader(_SafeMetadataMixin, FsspecReader):
-    """DCP's fsspec reader over :class:`RetryingFileSystem`, with the restricted unpickler."""
+class SafeRetryingFsspecReader(_RawTensorReader, _SafeMetadataMixin, FsspecReader):
+    """DCP's fsspec reader over :class:`RetryingFileSystem`, with the restricted unpickler
+    (``raw`` as for :class:`SafeFileSystemReader`)."""
 
     def __init__(
         self,
@@ -533,12 +773,14 @@ class SafeRetryingFsspecReader(_SafeMetadataMixin, FsspecReader):
         retrier: Retrier,
         *,
         expected: Mapping[str, Expected] | None = None,
+        raw: bool = True,
     ) -> None:
         FileSystemReader.__init__(self, path)
         self.fs = RetryingFileSystem(
             fs, retrier, object_store=is_object_store(fs), root=path, expected=expected
         )
         self.path = path
+        self.raw = raw
 
 
 def make_writer(
@@ -566,17 +808,21 @@ def make_reader(
     storage_options: dict[str, Any],
     retry: RetryConfig | None = None,
     expected: Mapping[str, Expected] | None = None,
+    raw: bool = True,
 ) -> SafeFileSystemReader | SafeRetryingFsspecReader:
     """A DCP reader for one committed step directory (retried reads on remote stores).
 
-    ``expected`` (name -> size and CRC-32, from the commit record) makes every file be checked
-    before DCP reads it: a mismatch raises ``CorruptCheckpointError`` naming the file.
+    ``expected`` (name -> size and CRC-32, from the commit record) makes every file be checked:
+    a mismatch raises ``CorruptCheckpointError`` naming the file. A local data file is checked
+    as it is read into the destination tensors (after such an error they may hold part of the
+    step); a remote one is downloaded and checked before any of it is used. ``raw``: the step's
+    data files hold raw tensor bytes (record format 2; see :func:`ckptmgr.record.is_raw`).
     """
     if local:
-        return SafeFileSystemReader(url_or_path, expected=expected)
+        return SafeFileSystemReader(url_or_path, expected=expected, raw=raw)
     config = retry or RetryConfig()
     fs, _ = open_filesystem(url_or_path, storage_options, config)
-    return SafeRetryingFsspecReader(url_or_path, fs, Retrier(config), expected=expected)
+    return SafeRetryingFsspecReader(url_or_path, fs, Retrier(config), expected=expected, raw=raw)
 
 
 def save_tensors(

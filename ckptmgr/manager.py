@@ -6,11 +6,12 @@ import json
 import logging
 import operator
 import os
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptmgr import dcp_io, pruning, retention
+from ckptmgr import dcp_io, packing, pruning, retention
 from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter
 from ckptmgr.collectives import Collectives
@@ -26,8 +27,9 @@ from ckptmgr.config import CheckpointConfig
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptmgr.integrity import expected_files, raise_problems
 from ckptmgr.lease import OwnerLease
+from ckptmgr.packing import PackedTensor
 from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNotice
-from ckptmgr.record import CommitRecord, FileEntry, TensorEntry, utc_now
+from ckptmgr.record import CommitRecord, FileEntry, TensorEntry, is_raw, utc_now
 from ckptmgr.retry import RetryConfig
 from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
 from ckptmgr.staging import StagingPool
@@ -46,6 +48,7 @@ class _SaveRequest:
     objects: dict[str, Any]
     metrics: dict[str, float]
     metadata: dict[str, Any]
+    packed: dict[str, PackedTensor] = field(default_factory=dict)  # set by the write
 
 
 @dataclass
@@ -343,7 +346,9 @@ class CheckpointManager:
             raise
         try:
             self._writer.raise_first_error()  # a save we waited for may just have failed
-            request.tensors = buffers.stage(request.tensors)
+            # One rank: small tensors are staged into one pack (see ckptmgr.packing).
+            request.tensors = buffers.stage(request.tensors, pack=self._comm.world_size == 1)
+            request.packed = buffers.packed
         except BaseException:
             self._staging.release(buffers)
             self._abandon(request)
@@ -431,6 +436,11 @@ class CheckpointManager:
         dcp_metadata = None
         writer = None
         try:  # every rank joins DCP's collectives, even after a local error, so none hangs
+            tensors = request.tensors
+            if comm.world_size == 1 and packing.PACK_KEY not in tensors:
+                # Packing needs every rank to agree on it: one rank only. save_async's staging
+                # packed already; save() packs here.
+                tensors, request.packed = packing.pack(tensors)
             writer = dcp_io.make_writer(
                 storage.url_for(write_dir),
                 local=storage.is_local,
@@ -438,9 +448,7 @@ class CheckpointManager:
                 storage_options=storage.storage_options,
                 retry=storage.retry,
             )
-            dcp_metadata = dcp_io.save_tensors(
-                request.tensors, writer, group if comm.distributed else None
-            )
+            dcp_metadata = dcp_io.save_tensors(tensors, writer, group if comm.distributed else None)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             local_error = local_error or _unwrap_dcp_error(exc)
         if writer is not None:
@@ -499,6 +507,9 @@ class CheckpointManager:
             described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
             return _SaveOutcome(committed=False, error=described, deleted=[]), None
         try:
+            tensor_entries, packed_offsets = packing.record_entries(
+                _tensor_entries(dcp_metadata), request.packed
+            )
             record = CommitRecord(
                 step=request.step,
                 save_id=save_id,
@@ -507,12 +518,15 @@ class CheckpointManager:
                 metrics=request.metrics,
                 metadata=request.metadata,
                 files=_with_checksums(self._storage.list_files(write_dir), written),
-                tensors=_tensor_entries(dcp_metadata),
+                tensors=tensor_entries,
+                packed=packed_offsets,
                 object_files=[objects_file_name(r) for r in range(self._comm.world_size)],
                 ckptmgr_version=__version__,
                 torch_version=torch.__version__,
+                byteorder=sys.byteorder,
             )
             self._storage.commit(request.step, write_dir, record)
+            self._records.remember(record)
         except Exception as exc:
             log.error("commit of step %d failed", request.step, exc_info=exc)
             outcome = _SaveOutcome(committed=False, error=f"commit failed: {exc!r}", deleted=[])
@@ -632,9 +646,13 @@ class CheckpointManager:
         plan: RestorePlan | None = None
         plan_error: Exception | None = None
         expected = None
+        raw = True
+        to_load: dict[str, torch.Tensor] = {}
+        unpack: Callable[[], None] = _nothing
         try:
             record = self._storage.read_record(step)
             expected = expected_files(record.files, step=step) if record.files else None
+            raw = is_raw(record)
             self._storage.check_sizes(step, record)  # every file, one listing
             own_objects = objects_file_name(self._comm.rank)
             objects_rank = self._comm.rank if own_objects in record.object_files else 0
@@ -644,6 +662,7 @@ class CheckpointManager:
             plan = plan_restore(
                 state_dict, record.tensors, saved_objects, self._comm.rank, objects_rank
             )
+            to_load, unpack = packing.split_for_load(plan.tensors, packing.placed_in_record(record))
         except Exception as exc:
             plan_error = exc
         # DCP's load is collective: every rank learns first whether any rank could not match its
@@ -667,10 +686,12 @@ class CheckpointManager:
             storage_options=self._storage.storage_options,
             retry=self._storage.retry,
             expected=expected,
+            raw=raw,
         )
         try:
-            if plan.tensors:
-                dcp_io.load_tensors(plan.tensors, reader, group)
+            if to_load:
+                dcp_io.load_tensors(to_load, reader, group)
+                unpack()
         except BaseException as exc:  # CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -808,6 +829,10 @@ def _require_str_keys(value: Any, path: str) -> None:
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             _require_str_keys(item, f"{path}[{index}]")
+
+
+def _nothing() -> None:
+    """Does nothing (the default after-load step of a restore)."""
 
 
 def _tensor_entries(dcp_metadata: Any) -> dict[str, TensorEntry]:

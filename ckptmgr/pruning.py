@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ckptmgr.errors import CheckpointError
+from ckptmgr.record import CommitRecord
 from ckptmgr.retention import (
     CheckpointInfo,
     RetentionDecision,
@@ -46,6 +47,12 @@ class RecordReader:
 
     storage: CheckpointStorage
     _cache: dict[int, CheckpointInfo] = field(default_factory=dict)
+
+    def remember(self, record: CommitRecord) -> None:
+        """Take the record just committed from memory instead of reading it back."""
+        self._cache[record.step] = CheckpointInfo(
+            record.step, record.committed_at, dict(record.metrics)
+        )
 
     def infos(self, steps: Iterable[int]) -> tuple[list[CheckpointInfo], dict[int, str]]:
         """The infos of ``steps``, and the steps whose record could not be read (with why)."""

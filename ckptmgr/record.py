@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Any
+import json
+import sys
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -14,10 +16,13 @@ from pydantic import (
     model_serializer,
 )
 
-from ckptmgr.errors import CorruptCheckpointError
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.integrity import check_relative_path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Format of the records (and data files) this ckptmgr writes. 1: DCP's ``torch.save`` items in
+the data files; 2: raw tensor bytes (:mod:`ckptmgr.tensor_bytes`) in the byte order of
+``byteorder``. Both are read."""
 RECORD_NAME = "commit.json"
 QUARANTINE_NAME = "quarantined.json"
 
@@ -86,9 +91,15 @@ class CommitRecord(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     files: list[FileEntry] = Field(default_factory=list)
     tensors: dict[str, TensorEntry] = Field(default_factory=dict)
+    packed: dict[str, int] = Field(default_factory=dict)
+    """Tensors stored in the pack of small tensors (:mod:`ckptmgr.packing`): name -> byte
+    offset in the pack (format 2). Their dtype and shape are in ``tensors``. A top-level field,
+    so that a ckptmgr that does not know it still reads the record's format version."""
     object_files: list[str] = Field(default_factory=list)
     ckptmgr_version: str = ""
     torch_version: str = ""
+    byteorder: Literal["little", "big"] | None = None
+    """Byte order of the raw tensor bytes (format 2); None in format 1."""
 
     @field_validator("object_files")
     @classmethod
@@ -107,13 +118,45 @@ class CommitRecord(BaseModel):
         path that leaves the step directory, and :class:`NewerFormatError` (also a
         ``ValueError``) for a record of a newer format.
         """
-        record = cls.model_validate_json(data)
+        try:
+            record = cls.model_validate_json(data)
+        except ValueError:
+            version = _format_version_of(data)  # a newer format may not validate here
+            if version is not None and version > FORMAT_VERSION:
+                raise NewerFormatError(
+                    f"commit record format {version} is newer than this ckptmgr understands "
+                    f"({FORMAT_VERSION}); upgrade ckptmgr"
+                ) from None
+            raise
         if record.format_version > FORMAT_VERSION:
             raise NewerFormatError(
                 f"commit record format {record.format_version} is newer than this ckptmgr "
                 f"understands ({FORMAT_VERSION}); upgrade ckptmgr"
             )
         return record
+
+
+def _format_version_of(data: bytes | str) -> int | None:
+    """The ``format_version`` of a JSON record that does not validate, if it has one."""
+    try:
+        version = json.loads(data).get("format_version")
+    except (ValueError, AttributeError):
+        return None
+    return version if isinstance(version, int) else None
+
+
+def is_raw(record: CommitRecord) -> bool:
+    """True when ``record``'s data files hold raw tensor bytes (format 2), False for DCP's
+    ``torch.save`` items (format 1). Raises ``CheckpointError`` for raw bytes of the other byte
+    order than this machine's."""
+    if record.format_version < 2:
+        return False
+    if record.byteorder is not None and record.byteorder != sys.byteorder:
+        raise CheckpointError(
+            f"step {record.step} holds {record.byteorder}-endian tensor bytes; this machine is "
+            f"{sys.byteorder}-endian (restore it on a {record.byteorder}-endian machine)"
+        )
+    return True
 
 
 def utc_now() -> _dt.datetime:

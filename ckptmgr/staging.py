@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ckptmgr.packing import PACK_KEY, PACK_MIN_TENSORS, PackedTensor, is_packable
+
 log = logging.getLogger(__name__)
 
 try:
@@ -121,6 +123,8 @@ class _Layout:
     entries: dict[str, tuple[int, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]]
     shared: list[bool]  # per unit: True when it is a shared-storage byte range
     unit_keys: list[str]  # per unit: the key whose source storage the unit is copied from
+    packed: dict[str, PackedTensor]  # small tensors staged back to back at the arena's start
+    pack_bytes: int
 
 
 class StagingBuffers:
@@ -134,6 +138,7 @@ class StagingBuffers:
         self._unit_dst: list[torch.Tensor] = []  # destination region of each unit
         self._empty: dict[str, torch.Tensor] = {}  # zero-element tensors (no arena bytes)
         self._stream: torch.cuda.Stream | None = None
+        self._pack_view = torch.empty(0, dtype=torch.uint8)  # the pack region of the arena
 
     @property
     def nbytes(self) -> int:
@@ -153,8 +158,21 @@ class StagingBuffers:
         self._unit_dst = []
         self._empty = {}
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @property
+    def packed(self) -> dict[str, PackedTensor]:
+        """Where each packed tensor of the last :meth:`stage` lies in its pack (the same dict
+        object from save to save while the layout is unchanged)."""
+        return self._layout.packed if self._layout is not None else {}
+
+    def stage(
+        self, tensors: dict[str, torch.Tensor], *, pack: bool = False
+    ) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` into the arena and return the copies, keyed like ``tensors``.
+
+        With ``pack``, small plain tensors (see :mod:`ckptmgr.packing`) are staged back to back
+        at the start of the arena and returned as one ``uint8`` tensor under ``PACK_KEY``
+        instead of one by one; :attr:`packed` says where each lies. The pack then costs no
+        copy beyond the staging copy itself.
 
         The copies are CPU tensors (each with a storage of its own, except views that shared a
         storage in ``tensors``, which share one region here too). A DTensor's local shard is
@@ -163,22 +181,33 @@ class StagingBuffers:
         modify the originals freely.
         """
         sources = {key: _local(tensor).detach() for key, tensor in tensors.items()}
-        signature = _signature(sources)
+        signature = (_signature(sources), pack)
         if self._layout is None or self._layout.signature != signature:
-            self._relayout(signature, sources)
+            self._relayout(
+                signature,
+                sources,
+                [key for key, t in tensors.items() if is_packable(t)] if pack else [],
+            )
         layout = self._layout
         assert layout is not None
         self._copy(layout, sources)
         staged: dict[str, torch.Tensor] = {}
+        packed = layout.packed
         for key, tensor in tensors.items():
+            if key in packed:
+                continue
             buffer = self._staged.get(key)
             if buffer is None:
                 buffer = self._empty[key]
             staged[key] = self._rewrap(tensor, buffer)
+        if packed:
+            staged[PACK_KEY] = self._pack_view
         return staged
 
     # -- layout ----------------------------------------------------------------------------------
-    def _relayout(self, signature: Hashable, sources: dict[str, torch.Tensor]) -> None:
+    def _relayout(
+        self, signature: Hashable, sources: dict[str, torch.Tensor], pack_keys: list[str]
+    ) -> None:
         by_storage: dict[tuple[str, int], list[str]] = {}
         for key, source in sources.items():
             if source.numel() == 0:
@@ -189,8 +218,28 @@ class StagingBuffers:
         unit_keys: list[str] = []
         entries: dict[str, tuple[int, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]]
         entries = {}
+        packed: dict[str, PackedTensor] = {}
         offset = 0
+        # The pack first: by decreasing item size, back to back (each offset is then a multiple
+        # of its item size), never sharing a storage with another staged tensor.
+        single = {keys[0] for keys in by_storage.values() if len(keys) == 1}
+        pack_keys = [key for key in pack_keys if key in single]
+        if len(pack_keys) < PACK_MIN_TENSORS:
+            pack_keys = []
+        for key in sorted(pack_keys, key=lambda k: -sources[k].dtype.itemsize):
+            source = sources[key]
+            entry = PackedTensor(offset, source.dtype, tuple(source.shape))
+            packed[key] = entry
+            entries[key] = (len(units), (source.dtype, tuple(source.shape), (), -1))
+            units.append((offset, entry.nbytes, 0))
+            shared.append(False)
+            unit_keys.append(key)
+            offset += entry.nbytes
+        pack_bytes = offset
+        offset = _aligned(offset)
         for keys in by_storage.values():
+            if keys[0] in packed:
+                continue
             if len(keys) == 1:
                 source = sources[keys[0]]
                 size = source.numel() * source.element_size()
@@ -237,9 +286,14 @@ class StagingBuffers:
             for key, source in sources.items()
             if source.numel() == 0
         }
-        self._layout = _Layout(signature, offset, pin, units, entries, shared, unit_keys)
+        self._layout = _Layout(
+            signature, offset, pin, units, entries, shared, unit_keys, packed, pack_bytes
+        )
         self._unit_dst = unit_dst
         self._staged = staged
+        self._pack_view = (
+            arena.region(0, pack_bytes) if pack_bytes else torch.empty(0, dtype=torch.uint8)
+        )
 
     def _ensure_arena(self, needed: int, pin: bool) -> None:
         """Keep the arena if ``needed`` fits and uses at least half of it, else replace it."""

@@ -404,7 +404,7 @@ def test_rm_refuses_a_missing_step_and_deletes_committed_ones(
 # -- the rest, as several main() calls in one child interpreter ------------------------------
 
 BATCH_SCRIPT = r"""
-import contextlib, io, json, pickle, shutil, sys
+import contextlib, io, json, pickle, shutil, sys, zlib
 from pathlib import Path
 
 import fsspec
@@ -464,6 +464,22 @@ step_dir = pickled / "step_000000000010"
 for data in step_dir.glob("*.distcp"):
     data.unlink()
 dcp.save({"w": torch.ones(2), "note": "pickled"}, checkpoint_id=str(step_dir))
+
+
+def match_record(step_dir):
+    # The commit record is made to list the files as they are now (sizes and checksums), so
+    # that only what the files hold can be refused.
+    record_path = step_dir / "commit.json"
+    record = json.loads(record_path.read_text())
+    record["files"] = [
+        {"path": p.name, "size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())}
+        for p in sorted(step_dir.iterdir())
+        if p.is_file() and p.name != "commit.json"
+    ]
+    record_path.write_text(json.dumps(record))
+
+
+match_record(step_dir)
 run("export_pickled", "export", str(pickled), "10", str(work / "p.pt"))
 
 
@@ -474,6 +490,7 @@ class Payload:
 
 
 (pickled / "step_000000000020" / ".metadata").write_bytes(pickle.dumps(Payload()))
+match_record(pickled / "step_000000000020")
 run("export_evil", "export", str(pickled), "20", str(work / "e.pt"))
 results["pickled_outputs"] = sorted(p.name for p in work.glob("*.pt"))
 print(json.dumps(results))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ckptmgr import CheckpointManager
+from ckptmgr.packing import PACK_KEY, PackedTensor
 from ckptmgr.staging import StagingBuffers, StagingPool
 
 
@@ -106,6 +107,42 @@ def test_sharing_pattern_change_is_a_new_layout() -> None:
     _assert_exact(buffers.stage(shared), shared)
     separate = {"a": torch.arange(10.0) + 1, "b": torch.arange(10.0) + 2}
     _assert_exact(buffers.stage(separate), separate)
+
+
+def _unpacked(staged: dict[str, torch.Tensor], placed: dict[str, PackedTensor]) -> dict:
+    """The staged tensors with the pack cut back into the tensors it holds."""
+    result = {k: v for k, v in staged.items() if k != PACK_KEY}
+    pack = staged[PACK_KEY]
+    for key, where in placed.items():
+        piece = pack[where.offset : where.offset + where.nbytes]
+        result[key] = piece.view(where.dtype).view(where.shape)
+    return result
+
+
+def test_packed_staging_puts_small_plain_tensors_back_to_back() -> None:
+    state = _state()
+    buffers = StagingBuffers()
+    staged = buffers.stage(state, pack=True)
+    placed = buffers.packed
+    # small tensors with a storage of their own are packed; views of a shared storage and
+    # empty tensors are not
+    assert {"b", "mask", "step", "nan", "transposed"} <= placed.keys()
+    assert not placed.keys() & {"flat/a", "flat/b", "flat/c", "tied/1", "empty"}
+    assert placed.keys().isdisjoint(staged)
+    pack = staged[PACK_KEY]
+    assert pack.dtype == torch.uint8
+    assert pack.numel() == sum(where.nbytes for where in placed.values())  # no padding
+    for where in placed.values():
+        assert where.offset % where.dtype.itemsize == 0
+    _assert_exact(_unpacked(staged, placed), state)
+    state["nan"].add_(1)
+    again = buffers.stage(state, pack=True)
+    assert buffers.packed is placed  # same layout object: nothing recomputed
+    assert again[PACK_KEY].data_ptr() == pack.data_ptr()
+    _assert_exact(_unpacked(again, placed), state)
+    unpacked = buffers.stage(state)  # pack=False: a new layout without a pack
+    assert PACK_KEY not in unpacked and not buffers.packed
+    _assert_exact(unpacked, state)
 
 
 def test_budget_waits_for_in_flight_slot_and_frees_idle_ones() -> None:

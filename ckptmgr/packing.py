@@ -1,0 +1,237 @@
+"""Small tensors packed into one stored item.
+
+DCP plans, describes and writes every tensor as an item of its own: with thousands of small
+tensors (optimizer steps, biases, norms) that per-item work, done on the background thread with
+the GIL held, is what a checkpoint costs the training loop. A single-process save therefore
+stores every plain CPU tensor of at most :data:`PACK_MAX_TENSOR_BYTES` bytes inside one ``uint8``
+tensor, :data:`PACK_KEY`, one after another with no padding; the commit record gives each packed
+tensor's dtype and shape (``tensors``) and byte offset (``packed``).
+
+Restore loads the pack like any other tensor and copies every packed tensor out of it into its
+destination: a plain tensor, on any device, or a ``DTensor`` (its local shard is cut from the
+global value), so a packed step restores into a sharded model as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch._utils import _flatten_dense_tensors
+
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError
+from ckptmgr.record import CommitRecord, TensorEntry
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = None  # type: ignore[assignment,misc]
+
+PACK_KEY = "__ckptmgr_packed__"
+"""The stored name of the pack (a name no state may use)."""
+PACK_MAX_TENSOR_BYTES = 64 * 1024
+"""Tensors of at most this many bytes are packed."""
+PACK_MIN_TENSORS = 2
+"""Fewer small tensors than this are stored as they are."""
+
+
+class PackedTensor:
+    """Where one tensor lies in the pack: byte ``offset``, ``dtype``, ``shape`` and ``nbytes``."""
+
+    __slots__ = ("dtype", "entry", "nbytes", "offset", "shape")
+
+    def __init__(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.offset = offset
+        self.dtype = dtype
+        self.shape = shape
+        numel = 1
+        for size in shape:
+            numel *= size
+        self.nbytes = numel * dtype.itemsize
+        self.entry = TensorEntry.model_construct(  # its record entry, built once
+            dtype=_dtype_name(dtype), shape=list(shape)
+        )
+
+    def __repr__(self) -> str:
+        return f"PackedTensor(offset={self.offset}, dtype={self.dtype}, shape={self.shape})"
+
+
+def pack(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, PackedTensor]]:
+    """(the tensors to store, with the small ones replaced by :data:`PACK_KEY`; where each
+    packed tensor lies). Nothing is packed when there are fewer than ``PACK_MIN_TENSORS``
+    candidates.
+
+    The pack is one new tensor: the small tensors grouped by dtype, groups in decreasing item
+    size (so every tensor's offset is a multiple of its item size, with no padding), each group
+    flattened in one call.
+    """
+    if PACK_KEY in tensors:
+        raise CheckpointError(f"{PACK_KEY!r} is a name reserved by ckptmgr; rename that state key")
+    groups: dict[torch.dtype, list[str]] = {}
+    count = 0
+    for key, tensor in tensors.items():
+        if is_packable(tensor):
+            groups.setdefault(tensor.dtype, []).append(key)
+            count += 1
+    if count < PACK_MIN_TENSORS:
+        return dict(tensors), {}
+    placed: dict[str, PackedTensor] = {}
+    flats: list[torch.Tensor] = []
+    offset = 0
+    for dtype in sorted(groups, key=lambda d: -d.itemsize):
+        keys = groups[dtype]
+        members = [tensors[key] for key in keys]
+        flat = _flatten_dense_tensors([t.detach().resolve_conj().resolve_neg() for t in members])
+        flats.append(flat.view(torch.uint8) if dtype != torch.uint8 else flat)
+        for key, tensor in zip(keys, members, strict=True):
+            entry = PackedTensor(offset, dtype, tuple(tensor.shape))
+            placed[key] = entry
+            offset += entry.nbytes
+    stored = {key: tensor for key, tensor in tensors.items() if key not in placed}
+    stored[PACK_KEY] = torch.cat(flats)
+    return stored, placed
+
+
+def split_for_load(
+    destinations: Mapping[str, torch.Tensor], placed: Mapping[str, PackedTensor]
+) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """(what to load from storage, a function to call after loading it).
+
+    Destinations of packed tensors are replaced by one buffer for the pack (when any is wanted);
+    the function then copies each packed tensor into its destination (converting the dtype as
+    DCP does for tensors stored on their own). A destination whose shape differs from the
+    stored one raises ``CheckpointError`` now, before anything is read.
+    """
+    wanted = {key: dest for key, dest in destinations.items() if key in placed}
+    if not wanted:
+        return dict(destinations), lambda: None
+    for key, dest in wanted.items():
+        stored = placed[key].shape
+        if tuple(dest.shape) != stored:
+            raise CheckpointError(
+                f"{key!r}: the checkpoint holds shape {list(stored)}, the state to restore "
+                f"has {list(dest.shape)}"
+            )
+    size = max(entry.offset + entry.nbytes for entry in placed.values())
+    buffer = torch.empty(size, dtype=torch.uint8)
+    to_load = {key: dest for key, dest in destinations.items() if key not in placed}
+    to_load[PACK_KEY] = buffer
+
+    def unpack() -> None:
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for dtype, run in _runs(wanted, placed):
+            first = placed[run[0]]
+            end = placed[run[-1]].offset + placed[run[-1]].nbytes
+            flat = buffer[first.offset : end].view(dtype)
+            pieces = flat.split([placed[key].nbytes // dtype.itemsize for key in run])
+            views = [piece.view(placed[key].shape) for key, piece in zip(run, pieces, strict=True)]
+            for key, value in zip(run, views, strict=True):
+                dest = wanted[key]
+                if DTensor is not None and isinstance(dest, DTensor):
+                    dest.to_local().copy_(_local_part(value, dest))
+                else:
+                    dsts.append(dest.detach())
+                    srcs.append(value)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+    return to_load, unpack
+
+
+def unpacked(
+    pack_buffer: torch.Tensor, placed: Mapping[str, PackedTensor]
+) -> dict[str, torch.Tensor]:
+    """Every packed tensor as a new tensor, from a loaded pack."""
+    return {key: _view(pack_buffer, entry).clone() for key, entry in placed.items()}
+
+
+def _runs(
+    wanted: Mapping[str, torch.Tensor], placed: Mapping[str, PackedTensor]
+) -> list[tuple[torch.dtype, list[str]]]:
+    """The wanted keys in pack order, cut into runs of one dtype that lie back to back."""
+    runs: list[tuple[torch.dtype, list[str]]] = []
+    end = -1
+    for key in sorted(wanted, key=lambda k: placed[k].offset):
+        entry = placed[key]
+        if runs and runs[-1][0] == entry.dtype and entry.offset == end:
+            runs[-1][1].append(key)
+        else:
+            runs.append((entry.dtype, [key]))
+        end = entry.offset + entry.nbytes
+    return runs
+
+
+def is_packable(tensor: torch.Tensor) -> bool:
+    """True for a plain (not DTensor), strided, non-empty CPU tensor of at most
+    :data:`PACK_MAX_TENSOR_BYTES` bytes."""
+    if DTensor is not None and isinstance(tensor, DTensor):
+        return False
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and 0 < tensor.numel() * tensor.element_size() <= PACK_MAX_TENSOR_BYTES
+    )
+
+
+def _view(buffer: torch.Tensor, entry: PackedTensor) -> torch.Tensor:
+    """The packed tensor ``entry`` in ``buffer`` (a copy when its offset is not aligned)."""
+    piece = buffer[entry.offset : entry.offset + entry.nbytes]
+    if entry.offset % entry.dtype.itemsize:
+        piece = piece.clone()
+    return piece.view(entry.dtype).view(entry.shape)
+
+
+def _local_part(value: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """The part of the global ``value`` that the DTensor ``dest`` holds on this rank."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(
+        dest.shape, dest.device_mesh, dest.placements
+    )
+    for dim, (start, length) in enumerate(zip(offsets, shape, strict=True)):
+        value = value.narrow(dim, start, length)
+    return value
+
+
+def placed_in_record(record: CommitRecord) -> dict[str, PackedTensor]:
+    """The packed tensors of a commit record (``record.packed``, with ``record.tensors``)."""
+    placed = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for key, offset in record.packed.items():
+        entry = record.tensors.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(f"the record packs {key!r} but does not describe it")
+        dtype = dtypes.get(entry.dtype)
+        if dtype is None:
+            dtype = getattr(torch, entry.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise CorruptCheckpointError(f"{key!r} has the unknown dtype {entry.dtype!r}")
+            dtypes[entry.dtype] = dtype
+        placed[key] = PackedTensor(offset, dtype, tuple(entry.shape))
+    return placed
+
+
+def record_entries(
+    stored: Mapping[str, TensorEntry], placed: Mapping[str, PackedTensor]
+) -> tuple[dict[str, TensorEntry], dict[str, int]]:
+    """The record's ``tensors`` (what DCP stored, less the pack itself, and every packed tensor)
+    and ``packed`` (name -> offset in the pack)."""
+    entries = {key: entry for key, entry in stored.items() if key != PACK_KEY}
+    offsets = {}
+    for key, where in placed.items():
+        entries[key] = where.entry
+        offsets[key] = where.offset
+    return entries, offsets
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name

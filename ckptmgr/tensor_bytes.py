@@ -1,0 +1,336 @@
+"""Tensors as raw bytes: how ckptmgr lays tensors out in DCP's data files (record format 2).
+
+DCP's own writer wraps every tensor in a ``torch.save`` zip container (about 1.5 KiB of framing
+per tensor, and a pickle to run per tensor on the background thread). ckptmgr writes each tensor's
+bytes as they lie in memory instead: C order, native byte order (recorded in the commit record),
+one tensor after another. DCP's metadata still gives each item's file, offset and length, and its
+dtype and chunk shape, so nothing else is needed to read the bytes back.
+
+* Writing goes straight from the (staged) tensor's memory to the file, with the GIL released for
+  the whole ``write`` call; the file's CRC-32 is computed by :class:`OrderedHasher` on a second
+  thread while the next bytes are written.
+* Reading goes straight into the destination tensor when it is the whole stored chunk and laid
+  out like it (the usual in-place restore); otherwise into a temporary that is then narrowed and
+  copied. A local file is hashed while it is read and checked at the end (``finish``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import queue
+import threading
+import zlib
+from typing import Any, Protocol
+
+import torch
+
+from ckptmgr.errors import CorruptCheckpointError
+
+_HANDOFF_BYTES = 1 << 20
+"""Small pieces are batched until this many bytes before the hashing thread gets them."""
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable ``memoryview`` of the bytes of the contiguous CPU ``tensor`` (no copy).
+
+    The view does not keep ``tensor`` alive: the caller holds a reference while it is used.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    return memoryview(array).cast("B")
+
+
+def contiguous_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when it is a contiguous CPU tensor, else a contiguous CPU copy."""
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+class OrderedHasher:
+    """CRC-32 of a sequence of byte pieces, computed on a helper thread in the order given.
+
+    ``add`` returns at once (``zlib.crc32`` releases the GIL for large buffers, so hashing runs
+    beside the caller's I/O); ``result`` waits for every piece. Each piece's owner (the tensor
+    whose memory it views) is held until the piece is hashed.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[list[tuple[memoryview, Any]] | None] = queue.SimpleQueue()
+        self._batch: list[tuple[memoryview, Any]] = []
+        self._batch_bytes = 0
+        self._crc = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ckptmgr-crc32", daemon=True)
+        self._thread.start()
+
+    def add(self, piece: memoryview, owner: Any = None) -> None:
+        """Queue ``piece`` (hashed after every piece added before it)."""
+        self._batch.append((piece, owner))
+        self._batch_bytes += piece.nbytes
+        if self._batch_bytes >= _HANDOFF_BYTES:
+            self._flush()
+
+    def result(self) -> int:
+        """The CRC-32 of all pieces added (waits for the hashing thread; ends it)."""
+        self._flush()
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._crc
+
+    def _flush(self) -> None:
+        if self._batch:
+            self._queue.put(self._batch)
+            self._batch = []
+            self._batch_bytes = 0
+
+    def _run(self) -> None:
+        crc = 0
+        try:
+            while True:
+                batch = self._queue.get()
+                if batch is None:
+                    break
+                for piece, _owner in batch:
+                    crc = zlib.crc32(piece, crc)
+        except BaseException as exc:  # pragma: no cover - zlib does not fail on bytes
+            self._error = exc
+        self._crc = crc
+
+
+class TensorSink(Protocol):
+    """Where :func:`write_tensor` puts bytes: a data file being written."""
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+
+    def write_piece(self, piece: memoryview, owner: Any) -> None:
+        """Append ``piece`` (a view of ``owner``'s memory) to the file."""
+
+
+class LocalDataFile:
+    """A local data file written with unbuffered ``write`` calls, hashed on a helper thread,
+    fsynced on ``close`` (which returns its size and CRC-32)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool) -> None:
+        self._file = open(path, "wb", buffering=0)
+        self._fsync = fsync
+        self._hasher = OrderedHasher()
+        self._size = 0
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self._size
+
+    def write_piece(self, piece: memoryview, owner: Any) -> None:
+        """Write all of ``piece`` (the GIL is released during each ``write``)."""
+        self._hasher.add(piece, owner)
+        view, written = piece, 0
+        while written < piece.nbytes:
+            written += self._file.write(view[written:])
+        self._size += written
+
+    def close(self) -> tuple[int, int]:
+        """Flush to disk (with ``fsync``), close, and return (size, CRC-32)."""
+        try:
+            if self._fsync:
+                os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+        return self._size, self._hasher.result()
+
+    def abort(self) -> None:
+        """Close after a failure (the caller removes the step directory)."""
+        self._file.close()
+        try:
+            self._hasher.result()
+        except BaseException:  # pragma: no cover
+            pass
+
+
+class StreamSink:
+    """A :class:`TensorSink` over a binary stream that hashes what it is given itself."""
+
+    def __init__(self, stream: io.RawIOBase | Any) -> None:
+        self._stream = stream
+        self._size = 0
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self._size
+
+    def write_piece(self, piece: memoryview, owner: Any) -> None:
+        """Write ``piece`` to the stream."""
+        del owner  # the stream copies or writes the bytes before returning
+        self._stream.write(piece)
+        self._size += piece.nbytes
+
+
+def write_tensor(sink: TensorSink, tensor: torch.Tensor) -> tuple[int, int]:
+    """Append ``tensor``'s bytes to ``sink``; returns (offset, length)."""
+    data = contiguous_cpu(tensor)
+    offset = sink.tell()
+    nbytes = data.numel() * data.element_size()
+    if nbytes:
+        sink.write_piece(byte_view(data), data)
+    return offset, nbytes
+
+
+class TensorSource(Protocol):
+    """Where :func:`read_chunk` gets bytes: a data file being read."""
+
+    def read_into(self, offset: int, piece: memoryview, owner: Any) -> None:
+        """Fill ``piece`` with the file's bytes at ``offset`` (``CorruptCheckpointError`` when
+        the file ends first)."""
+
+    def finish(self) -> None:
+        """Called once every chunk is read: checks the whole file when the source does."""
+
+
+class VerifyingLocalFile:
+    """A local data file read in increasing offsets, hashed while it is read.
+
+    ``finish`` reads what is left, then checks the size and CRC-32 against ``check`` (a callable
+    ``(size, crc) -> None`` that raises ``CorruptCheckpointError``), so damage anywhere in the
+    file is found even when only part of it was needed.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], name: str, check: Any) -> None:
+        self._file = open(path, "rb", buffering=0)
+        self._name = name
+        self._check = check
+        self._hasher: OrderedHasher | None = OrderedHasher() if check is not None else None
+        self._position = 0
+
+    def read_into(self, offset: int, piece: memoryview, owner: Any) -> None:
+        """Read ``piece.nbytes`` bytes at ``offset`` into ``piece``."""
+        if offset < self._position:  # already hashed: a plain positioned read
+            self._read_exactly(piece, offset, hashed=False, owner=owner)
+            return
+        if offset > self._position:
+            self._skip_to(offset)
+        self._read_exactly(piece, offset, hashed=True, owner=owner)
+
+    def finish(self) -> None:
+        """Hash the rest of the file and check it."""
+        self._skip_to(None)
+        if self._hasher is not None:
+            crc = self._hasher.result()
+            self._hasher = None
+            self._check(self._position, crc)
+
+    def close(self) -> None:
+        """Close the file (and end the hashing thread)."""
+        self._file.close()
+        if self._hasher is not None:
+            try:
+                self._hasher.result()
+            except BaseException:  # pragma: no cover
+                pass
+            self._hasher = None
+
+    def _read_exactly(self, piece: memoryview, offset: int, *, hashed: bool, owner: Any) -> None:
+        done = 0
+        while done < piece.nbytes:
+            count = os.preadv(self._file.fileno(), [piece[done:]], offset + done)
+            if count == 0:
+                raise CorruptCheckpointError(
+                    f"the file ends at byte {offset + done}, before the tensor bytes it should "
+                    f"hold at {offset}..{offset + piece.nbytes}",
+                    path=self._name,
+                )
+            done += count
+        if hashed:
+            if self._hasher is not None:
+                self._hasher.add(piece, owner)
+            self._position = offset + piece.nbytes
+
+    def _skip_to(self, offset: int | None) -> None:
+        """Read (and hash) the bytes up to ``offset`` (None: to the end of the file)."""
+        while offset is None or self._position < offset:
+            want = _HANDOFF_BYTES * 8 if offset is None else min(offset - self._position, 1 << 23)
+            buffer = os.pread(self._file.fileno(), want, self._position)
+            if not buffer:
+                if offset is None:
+                    return
+                raise CorruptCheckpointError(
+                    f"the file ends at byte {self._position}, before byte {offset}",
+                    path=self._name,
+                )
+            if self._hasher is not None:
+                self._hasher.add(memoryview(buffer), buffer)
+            self._position += len(buffer)
+
+
+class StreamSource:
+    """A :class:`TensorSource` over a seekable stream that was checked when it was fetched."""
+
+    def __init__(self, stream: Any, name: str) -> None:
+        self._stream = stream
+        self._name = name
+
+    def read_into(self, offset: int, piece: memoryview, owner: Any) -> None:
+        """Seek to ``offset`` and fill ``piece``."""
+        del owner
+        self._stream.seek(offset)
+        done = 0
+        while done < piece.nbytes:
+            count = self._stream.readinto(piece[done:])
+            if not count:
+                raise CorruptCheckpointError(
+                    f"the file ends before the tensor bytes it should hold at {offset}",
+                    path=self._name,
+                )
+            done += count
+
+    def finish(self) -> None:
+        """Nothing left to check: the stream was checked as a whole when it was fetched."""
+
+
+def read_chunk(
+    source: TensorSource,
+    offset: int,
+    length: int,
+    dtype: torch.dtype,
+    sizes: tuple[int, ...],
+    into: torch.Tensor | None,
+) -> torch.Tensor:
+    """The stored chunk (``sizes``, ``dtype``) at ``offset``, read from ``source``.
+
+    With ``into`` (a contiguous CPU tensor of exactly that shape and dtype) the bytes land in it
+    directly and it is returned; otherwise a new tensor is returned.
+    """
+    element = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for size in sizes:
+        numel *= size
+    if numel * element != length:
+        raise CorruptCheckpointError(
+            f"a stored chunk of {list(sizes)} {dtype} should be {numel * element} bytes, the "
+            f"metadata says {length}"
+        )
+    target = into if into is not None else torch.empty(sizes, dtype=dtype)
+    if length:
+        source.read_into(offset, byte_view(target), target)
+    return target
+
+
+def reads_directly_into(target: torch.Tensor, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
+    """True when a stored chunk of ``sizes``/``dtype`` can be read straight into ``target``."""
+    return (
+        target.device.type == "cpu"
+        and target.dtype == dtype
+        and tuple(target.shape) == tuple(sizes)
+        and target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
+    )

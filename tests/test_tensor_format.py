@@ -1,0 +1,676 @@
+"""The on-disk tensor encoding (format_version 2): raw tensor bytes in DCP's data files.
+
+Pins what the format change promises: new commits say ``format_version`` 2; the ``*.distcp``
+files of a step hold exactly the tensors' bytes and nothing else (no torch.save zip per tensor);
+the commit record still lists every logical key with its dtype and shape when small tensors are
+packed together; round trips are bit-exact for every dtype, shape and layout; a destination that
+does not match the checkpoint is refused; steps written by the previous ckptmgr (format 1,
+``tests/data/format_v1``) still restore; and a damaged data file is noticed.
+
+Everything is real: the local disk, DCP, torch's optimizers. States are filled with random
+*bits*, so that NaN payloads, subnormals and -0.0 are part of every comparison.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ckptmgr import CheckpointError, CheckpointManager, CommitRecord, CorruptCheckpointError
+
+DATA = Path(__file__).resolve().parent / "data"
+KIB = 1024
+MIB = 1024 * KIB
+
+DTYPES: list[torch.dtype] = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+]
+SHAPES: dict[str, tuple[int, ...]] = {
+    "scalar": (),
+    "empty": (0, 3),
+    "vector": (7,),
+    "4d": (2, 3, 1, 4),
+}
+MODES = ["save", "save_async"]
+
+
+# -- states and bit-exact comparison ---------------------------------------------------------------
+def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype as the commit record writes it (``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A contiguous tensor of random bits (any bit pattern for floats: NaNs, -0.0, subnormals)."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen, dtype=torch.uint8).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (numel * itemsize,), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``tensor``'s values, in logical order."""
+    return tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def assert_bit_equal(actual: Any, expected: Any, where: str = "state") -> None:
+    """Same structure, same dtypes and shapes, same bits (NaN payloads and -0.0 included)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: {type(actual)}"
+        assert actual.dtype == expected.dtype, f"{where}: {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{where}: {actual.shape} != {expected.shape}"
+        assert torch.equal(bits(actual), bits(expected)), f"{where}: values differ"
+    elif isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping), f"{where}: {type(actual)}"
+        assert set(actual) == set(expected), f"{where}: {sorted(actual)} != {sorted(expected)}"
+        for key in expected:
+            assert_bit_equal(actual[key], expected[key], f"{where}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected), f"{where}: {type(actual)} != {type(expected)}"
+        assert len(actual) == len(expected), where
+        for index, (got, want) in enumerate(zip(actual, expected, strict=True)):
+            assert_bit_equal(got, want, f"{where}[{index}]")
+    else:
+        assert type(actual) is type(expected) and actual == expected, f"{where}: {actual!r}"
+
+
+def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Clones of ``tensors`` (what a save must hold, whatever happens to the sources later)."""
+    return {key: value.detach().clone() for key, value in tensors.items()}
+
+
+def zeros_like_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Freshly allocated zero tensors of the same shapes and dtypes (contiguous, unshared)."""
+    return {key: torch.zeros(value.shape, dtype=value.dtype) for key, value in tensors.items()}
+
+
+def scribble(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Overwrite every source tensor in place (views and tied tensors included)."""
+    for value in tensors.values():
+        value.fill_(1)
+
+
+def layout_state(dtype: torch.dtype, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Every shape and source layout for one dtype: 0-d, empty, 1-d, 4-d, transposed, strided,
+    overlapping views of one storage, and one tensor under two keys (tied)."""
+    name = dtype_name(dtype)
+    state = {f"{name}_{label}": random_tensor(dtype, shape, gen) for label, shape in SHAPES.items()}
+    shared = random_tensor(dtype, (64,), gen)
+    tied = random_tensor(dtype, (4, 5), gen)
+    state.update(
+        {
+            f"{name}_transposed": random_tensor(dtype, (5, 3), gen).t(),
+            f"{name}_strided": random_tensor(dtype, (10,), gen)[::2],
+            f"{name}_view_a": shared[:40],
+            f"{name}_view_b": shared[24:].view(8, 5),  # overlaps view_a
+            f"{name}_tied": tied,
+            f"{name}_tied_again": tied,
+        }
+    )
+    assert not state[f"{name}_transposed"].is_contiguous()
+    assert not state[f"{name}_strided"].is_contiguous()
+    return state
+
+
+def everything_state(seed: int) -> dict[str, torch.Tensor]:
+    """Every dtype and layout in one state, plus tensors bigger than 4 MiB next to the small
+    ones (a contiguous one and a transposed one)."""
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for dtype in DTYPES:
+        state.update(layout_state(dtype, gen))
+    state["big_f32"] = random_tensor(torch.float32, (5 * MIB // 4,), gen)
+    state["big_bf16_transposed"] = random_tensor(torch.bfloat16, (1600, 1400), gen).t()
+    assert state["big_f32"].nbytes > 4 * MIB and state["big_bf16_transposed"].nbytes > 4 * MIB
+    return state
+
+
+def save_with(mgr: CheckpointManager, mode: str, step: int, state: Mapping[str, Any]) -> None:
+    """Save ``state`` at ``step`` with ``save`` or ``save_async`` (the caller joins)."""
+    method: Callable[..., bool] = getattr(mgr, mode)
+    assert method(step, state, force=True)
+
+
+def manager(path: Path, **kwargs: Any) -> CheckpointManager:
+    """A manager for ``path`` with preemption handling off (tests never install handlers)."""
+    kwargs.setdefault("chkpt_on_preemption", False)
+    return CheckpointManager(path, 1, **kwargs)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:012d}"
+
+
+def read_record(root: Path, step: int) -> dict[str, Any]:
+    record: dict[str, Any] = json.loads((step_dir(root, step) / "commit.json").read_text())
+    return record
+
+
+def distcp_files(root: Path, step: int) -> list[Path]:
+    """The DCP data files of a step, ``__<rank>_<n>.distcp``."""
+    files = sorted(step_dir(root, step).glob("*.distcp"))
+    assert files, f"no .distcp files in step {step}"
+    return files
+
+
+# -- the data files of a step: raw tensor bytes, nothing else --------------------------------------
+def many_small_state() -> dict[str, Any]:
+    """2,000 tensors of 1 KiB and three of 1 MiB."""
+    gen = torch.Generator().manual_seed(11)
+    state: dict[str, Any] = {
+        f"small_{index:04d}": random_tensor(torch.float32, (KIB // 4,), gen)
+        for index in range(2000)
+    }
+    for index in range(3):
+        state[f"large_{index}"] = random_tensor(torch.float32, (MIB // 4,), gen)
+    return state
+
+
+def mixed_dtype_state() -> dict[str, Any]:
+    """Every dtype at odd byte counts, a module, slices of bigger storages, and plain values."""
+    gen = torch.Generator().manual_seed(12)
+    state: dict[str, Any] = {}
+    for index, dtype in enumerate(DTYPES):
+        name = dtype_name(dtype)
+        state[f"{name}_odd"] = random_tensor(dtype, (2 * index + 3,), gen)
+        state[f"{name}_scalar"] = random_tensor(dtype, (), gen)
+        state[f"{name}_empty"] = random_tensor(dtype, (0, 2), gen)
+        state[f"{name}_medium"] = random_tensor(dtype, (300 + index, 7), gen)
+    base = random_tensor(torch.float64, (1000,), gen)
+    state["slice_of_bigger_storage"] = base[100:110]  # only 10 of 1000 elements are saved
+    state["strided_slice"] = base[::50]
+    state["transposed"] = random_tensor(torch.int16, (33, 17), gen).t()
+    module = nn.Linear(16, 8).to(torch.bfloat16)
+    state["module"] = module
+    state["epoch"] = 4  # a plain value: not in the data files
+    return state
+
+
+def logical_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Stored path -> tensor for a flat state whose values are tensors, modules or plain values."""
+    found: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            found[key] = value
+        elif isinstance(value, nn.Module):
+            for name, tensor in value.state_dict().items():
+                found[f"{key}/{name}"] = tensor
+    return found
+
+
+STATES: dict[str, Callable[[], dict[str, Any]]] = {
+    "many_small": many_small_state,
+    "mixed_dtypes": mixed_dtype_state,
+}
+
+
+@dataclass(frozen=True)
+class SavedStep:
+    """One committed step on disk and the tensors it was saved from, by stored path."""
+
+    root: Path
+    step: int
+    state_name: str
+    tensors: dict[str, torch.Tensor]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(state, mode, threads) for state in STATES for mode in MODES for threads in (1, 3)],
+    ids=lambda p: f"{p[0]}-{p[1]}-threads{p[2]}",
+)
+def saved_step(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> SavedStep:
+    """A state saved once per (state, save mode, num_of_threads), shared by the tests below."""
+    state_name, mode, threads = request.param
+    state = STATES[state_name]()
+    root = tmp_path_factory.mktemp(f"{state_name}-{mode}-{threads}") / "ckpts"
+    with manager(root, num_of_threads=threads) as mgr:
+        save_with(mgr, mode, 7, state)
+        mgr.join()
+        assert mgr.all_steps() == [7]
+    return SavedStep(root, 7, state_name, snapshot(logical_tensors(state)))
+
+
+def test_data_files_hold_exactly_the_raw_tensor_bytes(saved_step: SavedStep) -> None:
+    """The ``*.distcp`` files add up to the sum of the tensors' ``numel * element_size``."""
+    files = distcp_files(saved_step.root, saved_step.step)
+    on_disk = sum(path.stat().st_size for path in files)
+    raw = sum(t.numel() * t.element_size() for t in saved_step.tensors.values())
+    assert on_disk == raw, (
+        f"{len(files)} data files hold {on_disk} bytes; the tensors are {raw} bytes "
+        f"({on_disk - raw:+d})"
+    )
+
+
+def test_record_lists_every_logical_key_with_dtype_and_shape(saved_step: SavedStep) -> None:
+    """Packed or not, ``tensors`` in commit.json has one entry per key of the state (no more),
+    with its dtype and shape."""
+    record = read_record(saved_step.root, saved_step.step)
+    expected = {
+        key: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+        for key, t in saved_step.tensors.items()
+    }
+    assert set(record["tensors"]) == set(expected)
+    for key, entry in expected.items():
+        stored = record["tensors"][key]  # may hold more fields (where it is packed, say)
+        assert {"dtype": stored["dtype"], "shape": stored["shape"]} == entry, key
+    files = {entry["path"] for entry in record["files"]}
+    assert {p.name for p in distcp_files(saved_step.root, saved_step.step)} <= files
+
+
+def test_saved_step_restores_bit_exact_into_zeros(saved_step: SavedStep) -> None:
+    """The same step restores into zero tensors and a zeroed module, bit-exact."""
+    target = STATES[saved_step.state_name]()
+    for key, value in target.items():
+        if isinstance(value, torch.Tensor):
+            target[key] = torch.zeros(value.shape, dtype=value.dtype)
+        elif isinstance(value, nn.Module):
+            with torch.no_grad():
+                for tensor in value.state_dict().values():
+                    tensor.zero_()
+        else:
+            target[key] = None
+    with manager(saved_step.root, read_only=True) as mgr:
+        mgr.restore(saved_step.step, target)
+    assert_bit_equal(logical_tensors(target), saved_step.tensors)
+    assert target.get("epoch", 4) == 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_new_commits_have_format_version_2(tmp_path: Path, mode: str) -> None:
+    """commit.json of a new step says format 2, and CommitRecord reads it back."""
+    with manager(tmp_path) as mgr:
+        save_with(mgr, mode, 1, {"w": torch.arange(10.0), "epoch": 1})
+        mgr.join()
+    raw = read_record(tmp_path, 1)
+    assert raw["format_version"] == 2
+    record = CommitRecord.from_json((step_dir(tmp_path, 1) / "commit.json").read_bytes())
+    assert record.format_version == 2
+
+
+# -- bit-exact round trips -------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_round_trip_of_one_dtype_in_every_layout(
+    tmp_path: Path, dtype: torch.dtype, mode: str
+) -> None:
+    """0-d, empty, 1-d, 4-d, non-contiguous, shared-storage and tied sources come back bit-exact
+    into fresh zero tensors."""
+    state = layout_state(dtype, torch.Generator().manual_seed(3))
+    expected = snapshot(state)
+    with manager(tmp_path) as mgr:
+        save_with(mgr, mode, 1, state)
+        scribble(state)  # the checkpoint holds the values of the call
+        mgr.join()
+        target = zeros_like_state(expected)
+        mgr.restore(1, target)
+    assert_bit_equal(target, expected)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_round_trip_of_every_dtype_small_and_big_in_one_state(
+    tmp_path: Path, mode: str, threads: int
+) -> None:
+    """All dtypes and layouts in one state (small tensors packed together), next to tensors of
+    more than 4 MiB; the sources are left untouched by the save."""
+    state = everything_state(5)
+    expected = snapshot(state)
+    with manager(tmp_path, num_of_threads=threads) as mgr:
+        save_with(mgr, mode, 1, state)
+        mgr.join()
+        assert_bit_equal(state, expected, "source after save")
+        scribble(state)
+        target = zeros_like_state(expected)
+        mgr.restore(1, target)
+    assert_bit_equal(target, expected)
+
+
+def test_restoring_a_subset_of_packed_keys(tmp_path: Path) -> None:
+    """A state with only some of the saved keys gets exactly those, bit-exact."""
+    state = everything_state(6)
+    expected = snapshot(state)
+    chosen = ["int8_vector", "bool_scalar", "complex64_4d", "bfloat16_view_b", "big_f32"]
+    with manager(tmp_path) as mgr:
+        assert mgr.save(1, state)
+        target = zeros_like_state({key: expected[key] for key in chosen})
+        mgr.restore(1, target)
+    assert_bit_equal(target, {key: expected[key] for key in chosen})
+
+
+def make_model(seed: int) -> nn.Sequential:
+    """A small MLP whose parameters are random in ``seed``."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen))
+    return model
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """One deterministic AdamW step on a batch drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs, targets = torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(inputs), targets).backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_module_and_adamw_round_trip_and_train_on_identically(tmp_path: Path, mode: str) -> None:
+    """A fresh model and optimizer restored from a step continue exactly as the originals."""
+    model = make_model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train_step(model, optimizer, seed=100)
+    saved_model = snapshot(model.state_dict())
+    saved_optimizer = copy.deepcopy(optimizer.state_dict())
+    with manager(tmp_path) as mgr:
+        save_with(mgr, mode, 1, {"model": model, "optim": optimizer, "epoch": 1})
+        train_step(model, optimizer, seed=101)  # the original trains on (maybe during the write)
+        mgr.join()
+
+        fresh_model = make_model(1)
+        fresh_optimizer = torch.optim.AdamW(fresh_model.parameters(), lr=0.01)
+        state: dict[str, Any] = {"model": fresh_model, "optim": fresh_optimizer, "epoch": 0}
+        mgr.restore(1, state)
+    assert state["epoch"] == 1
+    assert_bit_equal(fresh_model.state_dict(), saved_model, "model")
+    assert_bit_equal(fresh_optimizer.state_dict(), saved_optimizer, "optim")
+
+    before = snapshot(fresh_model.state_dict())
+    train_step(fresh_model, fresh_optimizer, seed=101)
+    assert not torch.equal(fresh_model[0].weight, before["0.weight"])  # the step did something
+    assert_bit_equal(fresh_model.state_dict(), model.state_dict(), "model after one more step")
+    assert_bit_equal(fresh_optimizer.state_dict(), optimizer.state_dict(), "optim after a step")
+
+
+# -- shapes that change between saves --------------------------------------------------------------
+def shaped_state(
+    shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], seed: int
+) -> dict[str, torch.Tensor]:
+    """Random tensors of the given dtypes and shapes."""
+    gen = torch.Generator().manual_seed(seed)
+    return {key: random_tensor(dtype, shape, gen) for key, (dtype, shape) in shapes.items()}
+
+
+SHAPES_A: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+    "w": (torch.float32, (64, 32)),
+    "b": (torch.bfloat16, (32,)),
+    "ids": (torch.int64, (5,)),
+    "mask": (torch.bool, (9,)),
+    "step": (torch.float32, ()),
+    "gone_later": (torch.float16, (3, 3)),
+    "big": (torch.float32, (5 * MIB // 4,)),
+    **{f"tiny_{i}": (torch.int32, (i + 1,)) for i in range(20)},
+}
+SHAPES_B: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+    **{key: spec for key, spec in SHAPES_A.items() if key != "gone_later"},
+    "w": (torch.float32, (16, 8)),
+    "b": (torch.bfloat16, (100,)),
+    "ids": (torch.int64, (2, 2)),
+    "mask": (torch.bool, (0,)),
+    "step": (torch.float32, (1,)),
+    "big": (torch.float32, (1000,)),  # big becomes small
+    "tiny_3": (torch.int32, (3 * MIB,)),  # a small one becomes big
+    "added": (torch.int16, (7,)),
+}
+
+
+@pytest.mark.parametrize("max_pending_async", [1, 2])
+def test_shape_changes_between_async_saves_restore_bit_exact(
+    tmp_path: Path, max_pending_async: int
+) -> None:
+    """Steps 1 (A), 2 (other shapes, a key added and one removed) and 3 (A's shapes again) of one
+    manager each restore to what was saved at that step, oldest last."""
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    with manager(tmp_path, max_pending_async=max_pending_async) as mgr:
+        for step, shapes in ((1, SHAPES_A), (2, SHAPES_B), (3, SHAPES_A)):
+            state = shaped_state(shapes, seed=step)
+            saved[step] = snapshot(state)
+            assert mgr.save_async(step, state)
+            scribble(state)
+        mgr.join()
+        assert mgr.all_steps() == [1, 2, 3]
+        for step in (3, 2, 1):
+            record = read_record(tmp_path, step)
+            assert {key: entry["shape"] for key, entry in record["tensors"].items()} == {
+                key: list(t.shape) for key, t in saved[step].items()
+            }
+            target = zeros_like_state(saved[step])
+            mgr.restore(step, target)
+            assert_bit_equal(target, saved[step], f"step {step}")
+
+
+# -- destinations that do not match ----------------------------------------------------------------
+def packed_state() -> dict[str, torch.Tensor]:
+    """Many small tensors (packed together) and one big one."""
+    gen = torch.Generator().manual_seed(9)
+    state = {f"small_{i:02d}": random_tensor(torch.float32, (16,), gen) for i in range(30)}
+    state["packed_key_under_test"] = random_tensor(torch.float32, (4, 4), gen)
+    state["big"] = random_tensor(torch.float32, (MIB,), gen)
+    return state
+
+
+SHAPE_MISMATCHES: dict[str, torch.Tensor] = {
+    "shape_same_numel": torch.zeros(16, dtype=torch.float32),
+    "shape_other_numel": torch.zeros(4, 5, dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("kind", list(SHAPE_MISMATCHES))
+def test_a_destination_of_another_shape_is_refused(tmp_path: Path, kind: str) -> None:
+    """Another shape raises CheckpointError naming the key, and leaves it unfilled."""
+    destination = SHAPE_MISMATCHES[kind].clone()
+    with manager(tmp_path) as mgr:
+        assert mgr.save(1, packed_state())
+        with pytest.raises(CheckpointError) as caught:
+            mgr.restore(1, {"small_00": torch.zeros(16), "packed_key_under_test": destination})
+    assert "packed_key_under_test" in str(caught.value)
+    assert not isinstance(caught.value, CorruptCheckpointError)  # the checkpoint is fine
+    assert torch.count_nonzero(destination) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, torch.bfloat16])
+def test_a_destination_of_another_dtype_gets_converted_values(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """Like ``load_state_dict`` and DCP, a restore converts to the destination's dtype: packed
+    small tensors and tensors stored on their own alike."""
+    saved = packed_state()
+    saved["packed_key_under_test"] = torch.randn(4, 4) * 100  # finite: convertible to ints
+    saved["big"] = torch.randn(MIB) * 100
+    with manager(tmp_path) as mgr:
+        assert mgr.save(1, saved)
+        target = {
+            "packed_key_under_test": torch.zeros(4, 4, dtype=dtype),
+            "big": torch.zeros(MIB, dtype=dtype),
+        }
+        mgr.restore(1, target)
+    for key in target:
+        assert target[key].dtype == dtype
+        assert torch.equal(target[key], saved[key].to(dtype)), key
+
+
+def test_a_key_missing_from_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    """A key the checkpoint lacks raises CheckpointError naming it."""
+    with manager(tmp_path) as mgr:
+        assert mgr.save(1, packed_state())
+        with pytest.raises(CheckpointError, match="never_saved_key"):
+            mgr.restore(1, {"small_00": torch.zeros(16), "never_saved_key": torch.zeros(16)})
+
+
+# -- other format versions: 1 (the previous ckptmgr) and newer ones --------------------------------
+def format_v1_state(stepped: bool = False) -> dict[str, Any]:
+    """A state shaped like the one tests/data/format_v1 was saved from (see below), holding
+    other values: the model Sequential(Linear(4, 3), ReLU, Linear(3, 2)) and AdamW(lr=0.1),
+    plain tensors of several dtypes and shapes, and an int. With ``stepped``, the optimizer has
+    taken one step (from other parameters and another batch than the saved ones), else it has no
+    state yet; the parameters and tensors are zeros otherwise.
+
+    tests/data/format_v1 was written by the previous ckptmgr, in essence::
+
+        g = torch.Generator().manual_seed(7)
+        model = Sequential(Linear(4, 3), ReLU(), Linear(3, 2))  # params: torch.randn(..., g)
+        opt = AdamW(model.parameters(), lr=0.1)
+        model(torch.randn(5, 4, generator=g)).sum().backward(); opt.step()
+        state = {"model": model, "optim": opt,
+                 "f16": torch.arange(6, dtype=torch.float16).reshape(2, 3),
+                 "bf16": torch.linspace(-1, 1, 5).to(torch.bfloat16),
+                 "i64": torch.tensor([1, -2, 3]), "flag": torch.tensor([True, False]),
+                 "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4), "epoch": 3}
+        CheckpointManager(root, save_interval=1, max_to_keep=1).save(5, state)
+        torch.save({k: v.state_dict() if hasattr(v, "state_dict") else v ...},
+                   "format_v1_expected.pt")
+    """
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    if stepped:
+        gen = torch.Generator().manual_seed(70)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen))
+        model(torch.randn(5, 4, generator=gen)).sum().backward()
+        optimizer.step()
+    return {
+        "model": model,
+        "optim": optimizer,
+        "f16": torch.zeros(2, 3, dtype=torch.float16),
+        "bf16": torch.zeros(5, dtype=torch.bfloat16),
+        "i64": torch.zeros(3, dtype=torch.int64),
+        "flag": torch.zeros(2, dtype=torch.bool),
+        "scalar": torch.zeros(()),
+        "empty": torch.zeros(0, 4),
+        "epoch": 0,
+    }
+
+
+def as_saved(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The state as format_v1_expected.pt holds it: state dicts of modules and optimizers."""
+    return {
+        key: value.state_dict() if hasattr(value, "state_dict") else value
+        for key, value in state.items()
+    }
+
+
+@pytest.fixture
+def format_v1_root(tmp_path: Path) -> Path:
+    """A copy of tests/data/format_v1 (format_version 1, torch.save-encoded DCP items)."""
+    root = tmp_path / "format_v1"
+    shutil.copytree(DATA / "format_v1", root)
+    assert read_record(root, 5)["format_version"] == 1
+    return root
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh_optimizer", "stepped_optimizer"])
+def test_format_1_step_restores_bit_exact_read_only(format_v1_root: Path, stepped: bool) -> None:
+    """A step of the previous format restores into a fresh state exactly as it was saved."""
+    expected = torch.load(DATA / "format_v1_expected.pt", weights_only=True)
+    state = format_v1_state(stepped)
+    before = as_saved(state)
+    for key in ("model", "f16", "scalar"):  # the restore has something to do
+        with pytest.raises(AssertionError):
+            assert_bit_equal(before[key], expected[key])
+    with manager(format_v1_root, read_only=True) as mgr:
+        assert mgr.all_steps() == [5]
+        mgr.verify(5, deep=True)
+        mgr.restore(5, state)
+    assert_bit_equal(as_saved(state), expected)
+
+
+def test_format_1_and_new_steps_live_side_by_side(format_v1_root: Path) -> None:
+    """A writing manager over an old root adds new steps; old and new both restore."""
+    expected = torch.load(DATA / "format_v1_expected.pt", weights_only=True)
+    with manager(format_v1_root) as mgr:
+        state = format_v1_state()
+        mgr.restore(5, state)
+        state["epoch"] = 4
+        assert mgr.save(6, state)
+        assert mgr.all_steps() == [5, 6]
+        old, new = format_v1_state(), format_v1_state()
+        mgr.restore(5, old)
+        assert mgr.restore_latest(new) == 6
+    assert_bit_equal(as_saved(old), expected)
+    assert_bit_equal(as_saved(new), {**expected, "epoch": 4})
+    assert read_record(format_v1_root, 5)["format_version"] == 1  # left as it was
+
+
+def test_a_record_of_a_newer_format_is_refused_and_never_quarantined(tmp_path: Path) -> None:
+    """A step of a format newer than this ckptmgr (with fields it does not know, inside tensor
+    entries too) is refused with "upgrade", not mistaken for damage and quarantined."""
+    with manager(tmp_path) as mgr:
+        assert mgr.save(1, {"w": torch.ones(3)})
+        assert mgr.save(2, {"w": torch.full((3,), 2.0)})
+    path = step_dir(tmp_path, 2) / "commit.json"
+    record = read_record(tmp_path, 2)
+    record["format_version"] = 99
+    record["added_later"] = {"x": 1}
+    for entry in record["tensors"].values():
+        entry["added_later"] = 1
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="upgrade"):
+        CommitRecord.from_json(path.read_bytes())
+    with manager(tmp_path) as mgr:
+        with pytest.raises(CheckpointError, match="upgrade") as caught:
+            mgr.restore_latest({"w": torch.zeros(3)})
+        assert not isinstance(caught.value, CorruptCheckpointError)
+        assert mgr.all_steps() == [1, 2]
+    assert not (step_dir(tmp_path, 2) / "quarantined.json").exists()
+
+
+# -- damaged data files ----------------------------------------------------------------------------
+def flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_flipped_byte_in_a_data_file_is_corruption(tmp_path: Path, threads: int) -> None:
+    """restore of the damaged step raises CorruptCheckpointError; restore_latest falls back to the
+    older intact step and returns it."""
+    older, newer = everything_state(7), everything_state(8)  # same keys: restore_latest fits both
+    older_expected = snapshot(older)
+    with manager(tmp_path, num_of_threads=threads) as mgr:
+        assert mgr.save(1, older)
+        assert mgr.save(2, newer)
+        damaged = max(distcp_files(tmp_path, 2), key=lambda path: path.stat().st_size)
+        flip_middle_byte(damaged)
+        with pytest.raises(CorruptCheckpointError) as caught:
+            mgr.restore(2, zeros_like_state(newer))
+        assert caught.value.step == 2
+        assert caught.value.path == damaged.name
+
+        target = zeros_like_state(older_expected)
+        assert mgr.restore_latest(target) == 1
+        assert mgr.all_steps() == [1]
+    assert_bit_equal(target, older_expected)
+    assert (step_dir(tmp_path, 2) / "quarantined.json").exists()
