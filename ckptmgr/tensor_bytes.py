@@ -28,6 +28,8 @@ import torch
 
 from ckptmgr.errors import CorruptCheckpointError
 
+PARALLEL_HASHING = True
+"""Hash on a helper thread (at a lower priority) beside the I/O, or else on the writing thread."""
 _HANDOFF_BYTES = 1 << 20
 """Small pieces are batched until this many bytes before the hashing thread gets them."""
 
@@ -68,11 +70,16 @@ class OrderedHasher:
         self._batch_bytes = 0
         self._crc = 0
         self._error: BaseException | None = None
+        self._inline = not PARALLEL_HASHING
         self._thread = threading.Thread(target=self._run, name="ckptmgr-crc32", daemon=True)
-        self._thread.start()
+        if not self._inline:
+            self._thread.start()
 
     def add(self, piece: memoryview, owner: Any = None) -> None:
         """Queue ``piece`` (hashed after every piece added before it)."""
+        if self._inline:
+            self._crc = zlib.crc32(piece, self._crc)
+            return
         self._batch.append((piece, owner))
         self._batch_bytes += piece.nbytes
         if self._batch_bytes >= _HANDOFF_BYTES:
@@ -80,6 +87,8 @@ class OrderedHasher:
 
     def result(self) -> int:
         """The CRC-32 of all pieces added (waits for the hashing thread; ends it)."""
+        if self._inline:
+            return self._crc
         self._flush()
         self._queue.put(None)
         self._thread.join()
@@ -94,6 +103,7 @@ class OrderedHasher:
             self._batch_bytes = 0
 
     def _run(self) -> None:
+        _lower_priority()
         crc = 0
         try:
             while True:
@@ -105,6 +115,23 @@ class OrderedHasher:
         except BaseException as exc:  # pragma: no cover - zlib does not fail on bytes
             self._error = exc
         self._crc = crc
+
+
+HASHING_NICENESS = 10
+"""How much lower than the training loop's the hashing thread's scheduling priority is: when the
+cores are busy, the training loop runs first and the hashing waits."""
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's scheduling priority by ``HASHING_NICENESS`` (Linux: threads
+    have their own nice value); nothing where that is not supported."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(
+            os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + HASHING_NICENESS
+        )
+    except (AttributeError, OSError):  # pragma: no cover - not Linux, or not allowed
+        pass
 
 
 class TensorSink(Protocol):
