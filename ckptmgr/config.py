@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -38,7 +38,16 @@ class CheckpointConfig(BaseModel):
         default=1, strict=True, gt=0, description="Bound on in-flight async saves."
     )
     num_of_threads: int = Field(
-        default=1, strict=True, gt=0, description="Writer threads per rank (DCP thread_count)."
+        default=1,
+        strict=True,
+        gt=0,
+        description="Writer threads per rank: one data file each; restores read them in parallel.",
+    )
+    async_mode: Literal["thread", "process"] = Field(
+        default="thread",
+        description="Where save_async's background write runs: a thread of this process, or "
+        "'process': a checkpoint daemon process (DCP's process-based async checkpointing), for "
+        "Python-bound training loops.",
     )
     staging_budget_bytes: int | None = Field(
         default=None,

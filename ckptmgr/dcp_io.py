@@ -64,6 +64,7 @@ from ckptmgr.integrity import (
     crc32_update,
 )
 from ckptmgr.retry import Retrier, RetryConfig
+from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE
 from ckptmgr.storage import is_object_store, open_filesystem
 
 try:  # _StorageInfo (an item's file, offset and length) is private; stable since torch 2.0
@@ -294,6 +295,7 @@ class ChecksummingFileSystem(FileSystem):
 
 
 DATA_SUFFIX = ".distcp"
+_CHECKSUMS_FQN = "\x00ckptmgr-checksums/"  # a write result that carries a rank's checksums
 
 
 def _balanced(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
@@ -324,6 +326,7 @@ class _RawTensorWriter:
     fs: Any
     path: Any
     thread_count: int
+    checksums: ChecksumLog | None = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
@@ -343,9 +346,33 @@ class _RawTensorWriter:
                 futures = [pool.submit(self._write_file, planner, *job) for job in jobs]
                 for future in futures:
                     results.extend(future.result())
+        if self.checksums is not None:  # this rank's files, for finish() on the coordinator
+            names = {name for name, _ in jobs}
+            written = {n: v for n, v in self.checksums.snapshot().items() if n in names}
+            index = dcp_metadata.MetadataIndex(f"{_CHECKSUMS_FQN}{prefix}")
+            results.append(WriteResult(index=index, size_in_bytes=0, storage_data=written))
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
+
+    def finish(self, metadata: dcp_metadata.Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's finish (``.metadata``) on the coordinator; the sizes and CRC-32s of every
+        rank's files (reported in their write results) go on ``metadata`` as
+        ``CHECKSUMS_ATTRIBUTE``, which DCP hands back to every rank, even from a checkpoint
+        daemon process."""
+        reported: dict[str, tuple[int, int]] = {}
+        stored: list[list[WriteResult]] = []
+        for rank_results in results:
+            stored.append([])
+            for result in rank_results:
+                if result.index.fqn.startswith(_CHECKSUMS_FQN):
+                    reported.update(result.storage_data)
+                else:
+                    stored[-1].append(result)
+        super().finish(metadata, stored)  # type: ignore[misc]
+        if self.checksums is not None:
+            reported.update(self.checksums.snapshot())
+        setattr(metadata, CHECKSUMS_ATTRIBUTE, reported)
 
     def _write_file(
         self, planner: SavePlanner, name: str, items: list[WriteItem]
@@ -607,6 +634,25 @@ class RetryingFileSystem(FileSystemBase):
         self._held: dict[str, _Spool] = {}
         self._lock = threading.Lock()
 
+    reopen: tuple[str, dict[str, Any], RetryConfig] | None = None
+    """(URL, storage options, retry) that open :attr:`fs` again in another process (its class
+    may be one ckptmgr made at run time, which pickle cannot name)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # sent to a checkpoint daemon before any file is held
+        del state["_lock"]
+        state["_held"] = {}
+        if self.reopen is not None:
+            del state["fs"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        if "fs" not in state:
+            assert self.reopen is not None
+            self.fs, _ = open_filesystem(*self.reopen)
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         path = os.fspath(path)
@@ -798,7 +844,9 @@ def make_writer(
         return ChecksummingFileSystemWriter(url_or_path, thread_count=thread_count)
     config = retry or RetryConfig()
     fs, _ = open_filesystem(url_or_path, storage_options, config)
-    return RetryingFsspecWriter(url_or_path, fs, Retrier(config), thread_count=thread_count)
+    writer = RetryingFsspecWriter(url_or_path, fs, Retrier(config), thread_count=thread_count)
+    writer.fs.reopen = (url_or_path, dict(storage_options), config)
+    return writer
 
 
 def make_reader(

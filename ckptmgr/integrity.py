@@ -77,6 +77,14 @@ class ChecksumLog:
             if entry is not None:
                 self._entries[new] = entry
 
+    def __getstate__(self) -> dict[str, Any]:
+        with self._lock:
+            return {"_entries": dict(self._entries)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._entries = state["_entries"]
+        self._lock = threading.Lock()
+
     def discard(self, name: str) -> None:
         """Forget ``name``."""
         with self._lock:

@@ -32,6 +32,7 @@ from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNo
 from ckptmgr.record import CommitRecord, FileEntry, TensorEntry, is_raw, utc_now
 from ckptmgr.retry import RetryConfig
 from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
+from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, SaveProcess
 from ckptmgr.staging import StagingPool
 from ckptmgr.state import RestorePlan, flatten, plan_restore
 from ckptmgr.storage import CheckpointStorage, objects_file_name
@@ -49,6 +50,7 @@ class _SaveRequest:
     metrics: dict[str, float]
     metadata: dict[str, Any]
     packed: dict[str, PackedTensor] = field(default_factory=dict)  # set by the write
+    staged: bool = False  # tensors are save_async's staged copies (shared memory in process mode)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class CheckpointManager:
         take_over: bool = False,
         lease_timeout_s: float = 60.0,
         read_only: bool = False,
+        async_mode: str = "thread",
     ) -> None:
         config = CheckpointConfig(
             path=path,
@@ -112,6 +115,7 @@ class CheckpointManager:
             take_over=take_over,
             lease_timeout_s=lease_timeout_s,
             read_only=read_only,
+            async_mode=async_mode,
         )
         self._start(config)
 
@@ -140,7 +144,21 @@ class CheckpointManager:
             is_rank_independent(policy) for policy in self._schedule.policies
         )
         self._writer = BackgroundWriter()
-        self._staging = StagingPool(config.max_pending_async, config.staging_budget_bytes)
+        process_mode = config.async_mode == "process"
+        if process_mode and not self._storage.reachable_from_other_processes:
+            raise CheckpointError(
+                f"async_mode='process' writes from a daemon process, which cannot reach "
+                f"{config.path!r} (an in-memory file system); use async_mode='thread'"
+            )
+        self._staging = StagingPool(
+            config.max_pending_async, config.staging_budget_bytes, shared=process_mode
+        )
+        self._save_process: SaveProcess | None = None
+        if process_mode:
+            self._save_process = SaveProcess(
+                self._comm.background_group if self._comm.distributed else None,
+                config.collective_timeout_s,
+            )
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
         self._preemption_claimed: int | None = None
@@ -349,6 +367,7 @@ class CheckpointManager:
             # One rank: small tensors are staged into one pack (see ckptmgr.packing).
             request.tensors = buffers.stage(request.tensors, pack=self._comm.world_size == 1)
             request.packed = buffers.packed
+            request.staged = True
         except BaseException:
             self._staging.release(buffers)
             self._abandon(request)
@@ -435,6 +454,11 @@ class CheckpointManager:
             local_error = exc
         dcp_metadata = None
         writer = None
+        in_daemon = self._save_process is not None and request.staged
+        if in_daemon and comm.distributed:  # daemons are replaced on every rank or on none
+            assert self._save_process is not None
+            if not all(comm.all_gather(self._save_process.healthy, group)):
+                self._save_process.reset()
         try:  # every rank joins DCP's collectives, even after a local error, so none hangs
             tensors = request.tensors
             if comm.world_size == 1 and packing.PACK_KEY not in tensors:
@@ -448,11 +472,19 @@ class CheckpointManager:
                 storage_options=storage.storage_options,
                 retry=storage.retry,
             )
-            dcp_metadata = dcp_io.save_tensors(tensors, writer, group if comm.distributed else None)
+            if in_daemon:
+                assert self._save_process is not None
+                dcp_metadata = self._save_process.save(tensors, writer)
+            else:
+                dcp_metadata = dcp_io.save_tensors(
+                    tensors, writer, group if comm.distributed else None
+                )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             local_error = local_error or _unwrap_dcp_error(exc)
         if writer is not None:
             checksums.update(writer.checksums.snapshot())
+        if dcp_metadata is not None:  # files the checkpoint daemon wrote (process mode)
+            checksums.update(getattr(dcp_metadata, CHECKSUMS_ATTRIBUTE, {}))
         gathered = comm.all_gather((_describe(local_error), checksums), group)
         errors = [error for error, _ in gathered]
 
@@ -578,6 +610,8 @@ class CheckpointManager:
         try:
             self._writer.shutdown()
         finally:
+            if self._save_process is not None:
+                self._save_process.close()
             if self._preemption is not None:
                 self._preemption.close()
             if self._lease is not None:
@@ -875,6 +909,8 @@ def _unwrap_dcp_error(error: BaseException) -> BaseException:
     ``OSError`` is returned: torch.save's zip writer turns a failed write (``ENOSPC`` included)
     into ``RuntimeError("[enforce fail ...] unexpected pos ...")``, which says nothing useful.
     """
+    if isinstance(error, CheckpointError):  # ckptmgr's own: it already says what happened
+        return error
     failures = getattr(error, "failures", None)
     if isinstance(error, CheckpointException) and isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))

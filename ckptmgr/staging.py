@@ -64,17 +64,30 @@ def _aligned(size: int) -> int:
 
 
 class _Arena:
-    """One anonymous private mapping of ``size`` bytes, pinned for CUDA when asked."""
+    """``size`` bytes of host memory, pinned for CUDA when asked: one anonymous private mapping,
+    or with ``shared`` one shared-memory storage (another process can map it: process mode)."""
 
-    def __init__(self, size: int, pin: bool) -> None:
+    def __init__(self, size: int, pin: bool, shared: bool = False) -> None:
         self.size = size
         self.pinned = False
-        self._map = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map: mmap.mmap | None = None
+        self._storage: torch.UntypedStorage | None = None
+        if shared:
+            self._storage = torch.UntypedStorage._new_shared(max(size, 1))
+            owner: object = self._storage
+        else:
+            self._map = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            owner = self._map
         if pin:
-            self.pinned = _register_pinned(self._map, size)
+            self.pinned = _register_pinned(owner, self.region(0, size).data_ptr(), size)
 
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor over ``nbytes`` bytes at ``offset``, with a storage of its own."""
+        """A uint8 tensor over ``nbytes`` bytes at ``offset``: with a storage of its own in a
+        private arena, a view of the one shared storage in a shared arena."""
+        if self._storage is not None:
+            view = torch.empty(0, dtype=torch.uint8)
+            view.set_(self._storage, offset, (nbytes,))
+            return view
         return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
 
     def touch(self) -> None:
@@ -84,11 +97,11 @@ class _Arena:
             whole[:: mmap.PAGESIZE].zero_()
 
 
-def _register_pinned(mapping: mmap.mmap, size: int) -> bool:
-    """Page-lock ``mapping`` with ``cudaHostRegister``; False (unpinned) if that fails."""
+def _register_pinned(owner: object, pointer: int, size: int) -> bool:
+    """Page-lock ``size`` bytes at ``pointer`` (memory of ``owner``) with ``cudaHostRegister``
+    until ``owner`` is freed; False (unpinned) if that fails."""
     if size == 0 or not torch.cuda.is_available():
         return False
-    pointer = torch.frombuffer(mapping, dtype=torch.uint8, count=size).data_ptr()
     try:
         cudart = torch.cuda.cudart()
         if int(cudart.cudaHostRegister(pointer, size, 0)) != 0:
@@ -97,7 +110,7 @@ def _register_pinned(mapping: mmap.mmap, size: int) -> bool:
     except Exception as exc:  # pragma: no cover - depends on the CUDA runtime
         log.warning("could not pin %d staging bytes (%s); staging unpinned", size, exc)
         return False
-    weakref.finalize(mapping, _unregister_pinned, pointer)
+    weakref.finalize(owner, _unregister_pinned, pointer)
     return True
 
 
@@ -130,8 +143,9 @@ class _Layout:
 class StagingBuffers:
     """Host copies of one state's tensors, reused from save to save (one slot of the pool)."""
 
-    def __init__(self, pool: StagingPool | None = None) -> None:
+    def __init__(self, pool: StagingPool | None = None, *, shared: bool = False) -> None:
         self._pool = pool
+        self._shared = shared  # arenas in shared memory (async_mode="process")
         self._arena: _Arena | None = None
         self._layout: _Layout | None = None
         self._staged: dict[str, torch.Tensor] = {}  # cached views into the arena, per key
@@ -279,7 +293,8 @@ class StagingBuffers:
                 staged[key] = region.view(dtype).view(shape)
             else:
                 view = torch.empty(0, dtype=dtype)
-                view.set_(region.untyped_storage(), element, shape, stride)
+                base = region.storage_offset() // dtype.itemsize  # 0 unless the arena is shared
+                view.set_(region.untyped_storage(), base + element, shape, stride)
                 staged[key] = view
         self._empty = {
             key: torch.empty(source.shape, dtype=source.dtype)
@@ -305,7 +320,7 @@ class StagingBuffers:
         self.free()
         if self._pool is not None:
             self._pool._reserve(self, needed, old)
-        arena = _Arena(needed, pin)
+        arena = _Arena(needed, pin, self._shared)
         if not arena.pinned:
             arena.touch()  # cudaHostRegister already faulted a pinned arena in
         self._arena = arena
@@ -402,13 +417,15 @@ class StagingPool:
     nothing else holds memory (with a warning), since waiting longer could not help.
     """
 
-    def __init__(self, slots: int, budget_bytes: int | None = None) -> None:
+    def __init__(
+        self, slots: int, budget_bytes: int | None = None, *, shared: bool = False
+    ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None, got {budget_bytes}")
         self.budget_bytes = budget_bytes
-        self._all = [StagingBuffers(self) for _ in range(slots)]
+        self._all = [StagingBuffers(self, shared=shared) for _ in range(slots)]
         self._free: list[StagingBuffers] = list(self._all)
         self._cond = threading.Condition()
 

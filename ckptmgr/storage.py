@@ -160,6 +160,11 @@ class CheckpointStorage:
         self.root = self.root.rstrip("/") or "/"
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.is_object_store = is_object_store(self.fs)
+        protocols = (
+            self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        )
+        self.reachable_from_other_processes = "memory" not in protocols
+        """False for an in-memory file system: another process sees nothing of it."""
         if self.is_local:
             self.fs.makedirs(self.root, exist_ok=True)
         else:

@@ -1,0 +1,188 @@
+"""``async_mode="process"``: DCP saves run in a checkpoint daemon process.
+
+In thread mode the background write (DCP's planning, the metadata, the data files) runs on a
+thread of the training process, so the work it does while holding the GIL slows a training loop
+that is itself Python-bound. In process mode that part runs in a daemon process instead: DCP's
+process-based async checkpointing (``torch.distributed.checkpoint._async_process_executor``),
+whose daemon is started on the first save (with ``spawn``), serves every later save of its
+manager, and forms a gloo group of its own with the daemons of the other ranks.
+
+The staged tensors reach the daemon without a copy: in process mode the staging arena lives in
+shared memory (:mod:`ckptmgr.staging`), so only handles travel over the pipe. The daemon returns
+DCP's metadata with the sizes and CRC-32s of the files it wrote (``CHECKSUMS_ATTRIBUTE``). A
+daemon that died (killed, out of memory) fails the save that was running; the next save starts a
+new one. Everything else of a save (the commit, retention) stays in the training process.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import metadata as dcp_metadata
+
+from ckptmgr.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+CHECKSUMS_ATTRIBUTE = "ckptmgr_checksums"
+"""Attribute of the returned DCP metadata: file name -> (size, CRC-32) of what the daemon wrote."""
+
+_EXIT_WAIT_S = 5.0  # a daemon whose pipe broke is given this long to be gone
+
+try:
+    from torch.distributed.checkpoint._async_process_executor import (
+        _AsyncCheckpointProcess,
+        _ProcessGroupInitInfo,
+    )
+except ImportError:  # pragma: no cover - torch without process-based async checkpointing
+    _AsyncCheckpointProcess = None  # type: ignore[assignment,misc]
+    _ProcessGroupInitInfo = None  # type: ignore[assignment,misc]
+
+
+if _AsyncCheckpointProcess is not None:
+
+    class _CheckpointProcess(_AsyncCheckpointProcess):  # type: ignore[misc,valid-type]
+        """DCP's checkpoint daemon, with two changes made inside the daemon: its logging stays
+        at WARNING (DCP's sets the daemon's root logger to INFO: three lines on stderr for
+        every save), and its gloo group times out after ``ckptmgr_timeout_s`` (set on the
+        init info), so a daemon whose partner died fails its save instead of waiting for
+        torch's default of 30 minutes."""
+
+        @staticmethod
+        def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
+            import datetime
+            import functools
+
+            from torch.distributed.checkpoint import _async_process_executor
+
+            def warnings_only(rank: int) -> None:
+                logging.getLogger().setLevel(logging.WARNING)
+
+            _async_process_executor._init_logger = warnings_only  # type: ignore[assignment]
+            timeout_s = getattr(pg_init_info, "ckptmgr_timeout_s", None)
+            if timeout_s is not None:
+                _async_process_executor.dist.init_process_group = functools.partial(  # type: ignore[attr-defined]
+                    dist.init_process_group, timeout=datetime.timedelta(seconds=timeout_s)
+                )
+            _AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
+
+
+def available() -> bool:
+    """True when this torch has DCP's process-based async checkpointing."""
+    return _AsyncCheckpointProcess is not None
+
+
+class SaveProcess:
+    """One manager's checkpoint daemon, started on first use.
+
+    Distributed, starting a daemon is a collective over ``group``: every rank calls
+    :meth:`save` in the same order, and when any rank's daemon is not :attr:`healthy` every
+    rank calls :meth:`reset` first (the manager agrees on that before each save), so the
+    daemons are always replaced together.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+        if not available():
+            raise CheckpointError(
+                f"async_mode='process' needs DCP's process-based async checkpointing, which "
+                f"torch {torch.__version__} does not have; use async_mode='thread'"
+            )
+        self._group = group
+        self._timeout_s = timeout_s
+        self._daemon: Any = None
+        self._failed = False  # the last save failed: the daemon (and its group) is replaced
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        """The daemon's process id, or None when none is running."""
+        daemon = self._daemon
+        return None if daemon is None else daemon._save_process.pid
+
+    @property
+    def healthy(self) -> bool:
+        """True when a daemon is running and its last save did not fail."""
+        daemon = self._daemon
+        return daemon is not None and daemon._save_process.is_alive() and not self._failed
+
+    def save(self, tensors: dict[str, torch.Tensor], writer: Any) -> dcp_metadata.Metadata:
+        """Save ``tensors`` with ``writer`` in the daemon (started first if there is none) and
+        return DCP's metadata (with ``CHECKSUMS_ATTRIBUTE``). Raises what the daemon raised, or
+        ``CheckpointError`` when it died. After any failure the next save uses a new daemon."""
+        with self._lock:
+            if self._daemon is None or not self.healthy:
+                self._replace()
+            daemon = self._daemon
+            try:
+                return daemon.save(tensors, storage_writer=writer, no_dist=self._group is None)
+            except BaseException as exc:
+                self._failed = True
+                process = daemon._save_process
+                broken = isinstance(exc, (OSError, EOFError))  # its end of the pipe closed
+                if broken:
+                    process.join(timeout=_EXIT_WAIT_S)
+                if broken or not process.is_alive():
+                    raise CheckpointError(
+                        f"the checkpoint daemon process (pid {process.pid}) died during the "
+                        f"save (exit code {process.exitcode}): {exc!r}"
+                    ) from exc
+                raise
+
+    def reset(self) -> None:
+        """Stop the daemon (if any); the next :meth:`save` starts a new one."""
+        with self._lock:
+            self._stop()
+
+    def close(self) -> None:
+        """Ask the daemon to stop; terminate it if it does not within a few seconds."""
+        self.reset()
+
+    def _stop(self) -> None:
+        daemon, self._daemon = self._daemon, None
+        self._failed = False
+        if daemon is not None:
+            daemon.__del__()  # DCP's shutdown: TERMINATE, join(5), then SIGTERM
+
+    def _replace(self) -> None:
+        daemon = self._daemon
+        if daemon is not None:
+            process = daemon._save_process
+            log.warning(
+                "replacing the checkpoint daemon process (pid %s, %s)",
+                process.pid,
+                "its last save failed"
+                if process.is_alive()
+                else f"gone with exit code {process.exitcode}",
+            )
+        self._stop()
+        info = self._init_info()
+        info.ckptmgr_timeout_s = self._timeout_s
+        log.info("starting the checkpoint daemon process (async_mode='process')")
+        self._daemon = _CheckpointProcess(pg_init_info=info)
+
+    def _init_info(self) -> Any:
+        """Where the daemons' gloo group meets: the ranks' own group's rank and size, and a
+        store address chosen by its rank 0 (a collective); a private 1-rank group otherwise."""
+        if self._group is not None:
+            return _ProcessGroupInitInfo(self._group)
+        info = _ProcessGroupInitInfo.__new__(_ProcessGroupInitInfo)
+        info.local_rank = 0
+        info.global_rank = 0
+        info.world_size = 1
+        info.tcp_store_master_addr = "127.0.0.1"
+        info.tcp_store_master_port = _free_port()
+        info.use_prefix_store = False
+        info.disable_automatic_gc = False
+        info.disable_manual_gc = False
+        return info
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

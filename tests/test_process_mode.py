@@ -1,0 +1,674 @@
+"""``async_mode="process"``: save_async's DCP write runs in a checkpoint daemon process.
+
+Everything is real: the spawned daemon (DCP's ``_AsyncCheckpointProcess``), the shared-memory
+staging arena, the local disk, ``torchrun`` with gloo, and moto's S3 server on 127.0.0.1. A dead
+daemon is made with a real ``SIGKILL``. The first process-mode save of a manager spawns a daemon
+that imports torch (a few seconds), so each test shares one manager (and daemon) across its saves,
+and tests 1 and 2 read one module-scoped run.
+
+Every wait is bounded: ``join()`` on a daemon ``Process`` takes a timeout, the torchrun launcher
+kills a job that overruns, and pytest-timeout bounds each test (``join()``/``save_async`` of the
+manager have no timeout of their own while the daemon is alive).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+import torch
+from _cloud_servers import Server, require_cloud_modules, start_moto
+from _cloud_state import blank_like
+from _cloud_state import differences as cloud_differences
+from _cloud_state import make_state as make_cloud_state
+from _process_mode_worker import KILL_STEPS, STEPS
+from test_distributed import torchrun
+from torch import nn
+
+from ckptmgr import CheckpointConfig, CheckpointError, CheckpointManager, CommitRecord
+from ckptmgr.save_process import SaveProcess
+from ckptmgr.storage import CheckpointStorage
+
+pytestmark = pytest.mark.timeout(240)
+
+WORKER = Path(__file__).resolve().parent / "_process_mode_worker.py"
+NPROC = 2
+DEATH_TIMEOUT_S = 30.0  # bound of a Process.join() on a killed or stopped daemon
+POLL_TIMEOUT_S = 60.0  # bound of polling for an observable condition
+N_SMALL = 500
+LR = 1e-2
+SMALL_DTYPES = (torch.float32, torch.float16, torch.int32, torch.float64, torch.uint8, torch.bool)
+
+
+# -- states ----------------------------------------------------------------------------------------
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random values of ``dtype`` (every bit pattern class: floats, signed ints, bools)."""
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min // 2, info.max // 2, shape, generator=gen, dtype=dtype)
+
+
+def tensor_state(seed: int, layout: str) -> dict[str, Any]:
+    """A few tensors of more than 1 MiB, ~500 small ones (packed), an empty one, a plain value.
+
+    ``layout="base"`` is the layout of the first saves; ``"changed"`` has other shapes for the
+    same keys (the big ones with the same byte counts, transposed) and an added key.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "base":
+        big = {
+            "big_f32": random_tensor((1024, 512), torch.float32, gen),  # 2 MiB
+            "big_bf16": random_tensor((1024, 1024), torch.bfloat16, gen),  # 2 MiB
+            "big_i64": random_tensor((160_000,), torch.int64, gen),  # 1.2 MiB
+        }
+    else:
+        big = {
+            "big_f32": random_tensor((512, 1024), torch.float32, gen),
+            "big_bf16": random_tensor((2048, 512), torch.bfloat16, gen),
+            "big_i64": random_tensor((400, 400), torch.int64, gen),
+            "added_big": random_tensor((768, 1024), torch.float16, gen),  # 1.5 MiB, a new key
+        }
+    shift = 0 if layout == "base" else 3
+    small: dict[str, torch.Tensor] = {}
+    for index in range(N_SMALL):
+        dtype = SMALL_DTYPES[index % len(SMALL_DTYPES)]
+        if index % 11 == 0:
+            shape: tuple[int, ...] = ()  # zero-dim
+        elif index % 2 == 0:
+            shape = (index % 7 + 1 + shift,)
+        else:
+            shape = (2, index % 5 + 1 + shift)
+        small[f"t{index:03d}"] = random_tensor(shape, dtype, gen)
+    state: dict[str, Any] = {**big, "small": small, "empty": torch.empty(0, 4), "seed": seed}
+    if layout != "base":
+        state["small"]["added_small"] = random_tensor((9,), torch.int16, gen)
+    return state
+
+
+def zeros_like_state(value: Any) -> Any:
+    """The structure of ``value`` with tensors of zeros and plain leaves set to -1."""
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {key: zeros_like_state(item) for key, item in value.items()}
+    return -1
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.LayerNorm(512), nn.Linear(512, 64))
+
+
+def train_one_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: int) -> None:
+    gen = torch.Generator().manual_seed(10_000 + batch)
+    loss = model(torch.randn(16, 256, generator=gen)).square().mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def fresh_model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model of zeros and an AdamW without state: what a restore must fill."""
+    model = make_model()
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.zero_()
+    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def snapshot(
+    tensors: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Deep copies of everything a save of this state must hold."""
+    return {
+        "tensors": copy.deepcopy(tensors),
+        "model": {key: value.detach().clone() for key, value in model.state_dict().items()},
+        "optim": copy.deepcopy(optimizer.state_dict()),
+    }
+
+
+def mutate(tensors: dict[str, Any]) -> None:
+    """Change every tensor in place (what training does while a save_async is in flight)."""
+    for value in tensors.values():
+        if isinstance(value, dict):
+            mutate(value)
+        elif isinstance(value, torch.Tensor) and value.numel():
+            if value.dtype == torch.bool:
+                value.logical_not_()
+            else:
+                value.add_(1)
+
+
+def tensor_nbytes(value: Any) -> int:
+    """Bytes of every tensor in ``value`` (nested dicts, lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_nbytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_nbytes(item) for item in value)
+    return 0
+
+
+# -- bit-exact comparison --------------------------------------------------------------------------
+def differences(actual: Any, expected: Any, where: str = "") -> list[str]:
+    """Where ``actual`` differs from ``expected``: tensors bit for bit (dtype and shape too),
+    dicts key for key, lists and tuples item for item, other values with ``==``."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            return [f"{where}: {type(actual).__name__} is not a tensor"]
+        if actual.dtype != expected.dtype or actual.shape != expected.shape:
+            got = f"{actual.dtype}{list(actual.shape)}"
+            return [f"{where}: {got} != {expected.dtype}{list(expected.shape)}"]
+        got_bits = actual.detach().reshape(-1).contiguous().view(torch.uint8)
+        want_bits = expected.detach().reshape(-1).contiguous().view(torch.uint8)
+        return [] if torch.equal(got_bits, want_bits) else [f"{where}: bytes differ"]
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or list(actual) != list(expected):
+            return [f"{where}: keys {list(actual)[:5]}... != {list(expected)[:5]}..."]
+        return [
+            d for key in expected for d in differences(actual[key], expected[key], f"{where}/{key}")
+        ]
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+            return [f"{where}: {actual!r} != {expected!r}"]
+        return [
+            d
+            for index, (got, want) in enumerate(zip(actual, expected, strict=True))
+            for d in differences(got, want, f"{where}[{index}]")
+        ]
+    return [] if actual == expected else [f"{where}: {actual!r} != {expected!r}"]
+
+
+def restored_differences(mgr: CheckpointManager, step: int, expected: dict[str, Any]) -> list[str]:
+    """Restore ``step`` into zeros and a fresh model/AdamW; where it differs from ``expected``."""
+    model, optimizer = fresh_model_and_optimizer()
+    tensors = zeros_like_state(expected["tensors"])
+    mgr.restore(step, {"tensors": tensors, "model": model, "optim": optimizer})
+    restored = {
+        "tensors": tensors,
+        "model": dict(model.state_dict()),
+        "optim": optimizer.state_dict(),
+    }
+    return differences(restored, expected, f"step {step}")
+
+
+# -- the daemon ------------------------------------------------------------------------------------
+def save_process_of(mgr: CheckpointManager) -> SaveProcess:
+    save_process = mgr._save_process
+    assert isinstance(save_process, SaveProcess), "the manager is not in process mode"
+    return save_process
+
+
+def daemon_of(mgr: CheckpointManager) -> BaseProcess:
+    """The daemon's ``multiprocessing.Process`` (a save must have started it)."""
+    daemon = save_process_of(mgr)._daemon
+    assert daemon is not None, "no checkpoint daemon is running"
+    process: BaseProcess = daemon._save_process
+    return process
+
+
+def kill_and_reap(process: BaseProcess) -> None:
+    """SIGKILL ``process`` (stopped or not) and wait, bounded, until it is dead."""
+    if process.is_alive():
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+    process.join(timeout=DEATH_TIMEOUT_S)
+    assert not process.is_alive(), f"daemon {process.pid} still alive after SIGKILL"
+
+
+@contextmanager
+def process_manager(path: Path | str, **kwargs: Any) -> Iterator[CheckpointManager]:
+    """A process-mode manager, closed afterwards; any daemon it left is killed (a failed test
+    must not leave a stopped daemon behind, which would hang the interpreter's exit)."""
+    kwargs.setdefault("chkpt_on_preemption", False)
+    mgr = CheckpointManager(path, 1, async_mode="process", **kwargs)
+    seen: list[BaseProcess] = []
+    try:
+        yield mgr
+    finally:
+        daemon = save_process_of(mgr)._daemon
+        if daemon is not None:
+            seen.append(daemon._save_process)
+        try:
+            mgr.close()
+        finally:
+            for process in seen:
+                if process.is_alive():
+                    kill_and_reap(process)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:012d}"
+
+
+def read_record(root: Path, step: int) -> CommitRecord:
+    return CommitRecord.from_json((step_dir(root, step) / "commit.json").read_bytes())
+
+
+def checksum_problems(directory: Path, record: CommitRecord) -> list[str]:
+    """Where ``record.files`` and the files in ``directory`` (but commit.json) disagree: the
+    set of names, a size, or a CRC-32 (which must be present)."""
+    on_disk = sorted(p.name for p in directory.iterdir() if p.name != "commit.json")
+    listed = sorted(entry.path for entry in record.files)
+    problems = [] if listed == on_disk else [f"listed {listed} != on disk {on_disk}"]
+    for entry in record.files:
+        path = directory / entry.path
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if entry.size != len(data):
+            problems.append(f"{entry.path}: size {entry.size} != {len(data)}")
+        if entry.crc32 is None:
+            problems.append(f"{entry.path}: no crc32 in the record")
+        elif entry.crc32 != zlib.crc32(data):
+            problems.append(f"{entry.path}: crc32 {entry.crc32} != {zlib.crc32(data)}")
+    return problems
+
+
+# -- 1. several save_async steps in one daemon, a layout change, bit-exact restores ----------------
+@dataclass
+class SingleRun:
+    """What one process-mode manager did over :data:`SINGLE_RUN_STEPS` (tests 1 and 2 read it)."""
+
+    root: Path
+    expected: dict[int, dict[str, Any]]  # step -> snapshot of what was saved
+    pids: dict[int, int | None]  # step -> the daemon's pid after that step's join
+    daemon_alive: bool
+    daemon_pid: int | None
+    all_steps: list[int]
+    restore_differences: dict[int, list[str]]
+
+
+# (step, layout, join right after save_async); steps 3 and 4 go back to back (4 waits for 3's
+# staging slot); step 5 changes every shape and adds keys, step 6 goes back.
+SINGLE_RUN_STEPS: list[tuple[int, str, bool]] = [
+    (1, "base", True),
+    (2, "base", True),
+    (3, "base", False),
+    (4, "base", True),
+    (5, "changed", True),
+    (6, "base", True),
+]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory: pytest.TempPathFactory) -> SingleRun:
+    root = tmp_path_factory.mktemp("single") / "ckpts"
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    train_one_step(model, optimizer, 0)
+    expected: dict[int, dict[str, Any]] = {}
+    pids: dict[int, int | None] = {}
+    layout_now = ""
+    tensors: dict[str, Any] = {}
+    # Three writer threads: several data files per step, each with its own checksum.
+    with process_manager(root, num_of_threads=3) as mgr:
+        assert save_process_of(mgr).pid is None, "the daemon must start lazily"
+        for step, layout, join in SINGLE_RUN_STEPS:
+            if layout != layout_now:
+                tensors, layout_now = tensor_state(step, layout), layout
+            expected[step] = snapshot(tensors, model, optimizer)
+            assert mgr.save_async(step, {"tensors": tensors, "model": model, "optim": optimizer})
+            # Training goes on while the daemon writes: none of it may reach the checkpoint.
+            mutate(tensors)
+            train_one_step(model, optimizer, step)
+            if join:
+                mgr.join()
+                pids[step] = save_process_of(mgr).pid
+        daemon = daemon_of(mgr)
+        return SingleRun(
+            root=root,
+            expected=expected,
+            pids=pids,
+            daemon_alive=daemon.is_alive(),
+            daemon_pid=daemon.pid,
+            all_steps=mgr.all_steps(),
+            restore_differences={
+                step: restored_differences(mgr, step, expected[step]) for step in sorted(expected)
+            },
+        )
+
+
+def test_save_async_steps_share_one_daemon(single_run: SingleRun) -> None:
+    assert single_run.all_steps == [step for step, _, _ in SINGLE_RUN_STEPS]
+    pid = single_run.pids[1]
+    assert pid is not None and pid != os.getpid()
+    assert set(single_run.pids.values()) == {pid}, f"one daemon per manager: {single_run.pids}"
+    assert single_run.daemon_alive and single_run.daemon_pid == pid
+
+
+def test_every_step_restores_bit_exact_across_a_layout_change(single_run: SingleRun) -> None:
+    assert single_run.restore_differences == {step: [] for step in single_run.expected}
+    record = read_record(single_run.root, 5)  # the changed layout is what step 5 recorded
+    assert record.tensors["tensors/added_big"].shape == [768, 1024]
+    assert record.tensors["tensors/big_f32"].shape == [512, 1024]
+    assert "tensors/small/added_small" in record.tensors
+    assert read_record(single_run.root, 6).tensors["tensors/big_f32"].shape == [1024, 512]
+
+
+# -- 2. the commit record of a process-mode step ---------------------------------------------------
+@pytest.mark.parametrize("step", [step for step, _, _ in SINGLE_RUN_STEPS])
+def test_commit_record_lists_every_file_with_its_crc32(single_run: SingleRun, step: int) -> None:
+    record = read_record(single_run.root, step)
+    assert checksum_problems(step_dir(single_run.root, step), record) == []
+    names = {entry.path for entry in record.files}
+    assert ".metadata" in names and "objects-rank00000.json" in names
+    data_files = [entry for entry in record.files if entry.path.endswith(".distcp")]
+    assert len(data_files) >= 2, f"3 writer threads wrote {[e.path for e in data_files]}"
+    saved = single_run.expected[step]
+    expected_bytes = (
+        tensor_nbytes(saved["tensors"])
+        + tensor_nbytes(saved["model"])
+        + tensor_nbytes(saved["optim"]["state"])
+    )
+    assert sum(entry.size for entry in data_files) == expected_bytes
+    recorded_bytes = sum(
+        torch.Size(entry.shape).numel() * getattr(torch, entry.dtype).itemsize
+        for entry in record.tensors.values()
+    )
+    assert recorded_bytes == expected_bytes
+
+
+def test_deep_verify_passes_on_a_process_mode_step(single_run: SingleRun) -> None:
+    with CheckpointManager(single_run.root, 1, chkpt_on_preemption=False, read_only=True) as mgr:
+        for step in mgr.all_steps():
+            mgr.verify(step, deep=True)
+
+
+# -- 3. a daemon killed between saves is replaced --------------------------------------------------
+def test_daemon_killed_between_saves_is_replaced(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = tensor_state(11, "base")
+    second = tensor_state(12, "base")
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, {"tensors": first})
+        mgr.join()
+        old = daemon_of(mgr)
+        old_pid = save_process_of(mgr).pid
+        assert old_pid is not None and old.pid == old_pid
+        os.kill(old_pid, signal.SIGKILL)
+        old.join(timeout=DEATH_TIMEOUT_S)
+        assert not old.is_alive() and old.exitcode == -signal.SIGKILL
+
+        with caplog.at_level(logging.WARNING, logger="ckptmgr.save_process"):
+            assert mgr.save_async(2, {"tensors": second})
+            mgr.join()
+        new_pid = save_process_of(mgr).pid
+        assert new_pid is not None and new_pid != old_pid
+        assert daemon_of(mgr).is_alive()
+        warnings = [r.getMessage() for r in caplog.records if r.name == "ckptmgr.save_process"]
+        assert any(str(old_pid) in message for message in warnings), warnings
+
+        assert mgr.all_steps() == [1, 2]
+        for step, saved in ((1, first), (2, second)):
+            target = zeros_like_state(saved)
+            mgr.restore(step, {"tensors": target})
+            assert differences(target, saved, f"step {step}") == []
+
+
+def _thread_waits_in(function: str, thread_prefix: str) -> bool:
+    """True when a thread named ``thread_prefix...`` has ``function`` on its stack now."""
+    frames = sys._current_frames()
+    for thread in threading.enumerate():
+        if not thread.name.startswith(thread_prefix) or thread.ident not in frames:
+            continue
+        frame = frames[thread.ident]
+        while frame is not None:
+            if frame.f_code.co_name == function:
+                return True
+            frame = frame.f_back
+    return False
+
+
+def test_daemon_killed_during_a_save_fails_that_save_only(ckpt_dir: Path) -> None:
+    """The daemon is stopped (SIGSTOP) so that the save is certainly in flight in it, then
+    killed: that save fails with CheckpointError from join(); the next save gets a new daemon."""
+    first = tensor_state(21, "base")
+    doomed = tensor_state(22, "base")
+    after = tensor_state(23, "base")
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, {"tensors": first})
+        mgr.join()
+        old = daemon_of(mgr)
+        assert old.pid is not None
+        os.kill(old.pid, signal.SIGSTOP)
+        try:
+            assert mgr.save_async(2, {"tensors": doomed})
+            # The manager's writer thread has sent the request and waits for the daemon's answer.
+            deadline = time.monotonic() + POLL_TIMEOUT_S
+            while not _thread_waits_in("_wait_for_response", "ckptmgr-writer"):
+                assert time.monotonic() < deadline, "the save never reached the daemon"
+                time.sleep(0.01)
+        finally:
+            kill_and_reap(old)
+        with pytest.raises(CheckpointError) as raised:
+            mgr.join()
+        chain = f"{raised.value} <- {raised.value.__cause__!r}"
+        assert "step 2" in str(raised.value), chain
+        # SaveProcess.save promises a CheckpointError saying the daemon died, not a bare
+        # socket error from the pipe to it.
+        assert "daemon" in chain, f"the error does not say that the daemon died: {chain}"
+        assert mgr.all_steps() == [1]
+        assert sorted(p.name for p in ckpt_dir.iterdir() if p.name.startswith("step_")) == [
+            step_dir(ckpt_dir, 1).name
+        ]
+
+        assert mgr.save_async(3, {"tensors": after})
+        mgr.join()
+        assert save_process_of(mgr).pid not in (None, old.pid)
+        assert mgr.all_steps() == [1, 3]
+        for step, saved in ((1, first), (3, after)):
+            target = zeros_like_state(saved)
+            mgr.restore(step, {"tensors": target})
+            assert differences(target, saved, f"step {step}") == []
+
+
+# -- 4. close() stops the daemon -------------------------------------------------------------------
+def test_close_stops_the_daemon_after_the_pending_save(ckpt_dir: Path) -> None:
+    state = {"tensors": tensor_state(31, "base")}
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, state)
+        mgr.join()
+        daemon = daemon_of(mgr)
+        assert daemon.is_alive()
+        expected = copy.deepcopy(state)
+        assert mgr.save_async(2, state)  # still pending when close() is called
+        mgr.close()
+        assert not daemon.is_alive(), f"daemon {daemon.pid} outlived close()"
+        assert daemon.exitcode is not None
+        assert daemon not in multiprocessing.active_children()
+        assert save_process_of(mgr).pid is None
+        assert mgr.all_steps() == [1, 2]  # close() waited for step 2
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as reader:
+        target = zeros_like_state(expected)
+        reader.restore(2, target)
+        assert differences(target, expected) == []
+
+
+# -- 5. configuration ------------------------------------------------------------------------------
+def test_memory_root_is_refused_in_process_mode() -> None:
+    with pytest.raises(CheckpointError, match="async_mode"):
+        CheckpointManager(
+            f"memory://process-mode-{uuid.uuid4().hex}",
+            1,
+            async_mode="process",
+            chkpt_on_preemption=False,
+        )
+
+
+def test_unknown_async_mode_is_a_validation_error(tmp_path: Path) -> None:
+    with pytest.raises(pydantic.ValidationError, match="async_mode"):
+        CheckpointConfig(path=str(tmp_path), save_interval=1, async_mode="bogus")
+    with pytest.raises(ValueError, match="async_mode"):
+        CheckpointManager(tmp_path, 1, async_mode="bogus", chkpt_on_preemption=False)
+    assert CheckpointConfig(path=str(tmp_path), save_interval=1).async_mode == "thread"
+
+
+def test_yaml_config_with_process_mode_round_trips(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    config_file = tmp_path / "checkpointing.yaml"
+    config_file.write_text(
+        f"path: {json.dumps(str(root))}\n"
+        "save_interval: 1\n"
+        "async_mode: process\n"
+        "chkpt_on_preemption: false\n"
+    )
+    assert CheckpointConfig.from_file(config_file).async_mode == "process"
+    saved = {"tensors": tensor_state(41, "base")}
+    expected = copy.deepcopy(saved)
+    mgr = CheckpointManager.from_config(config_file)
+    try:
+        assert mgr.config.async_mode == "process"
+        assert mgr.save_async(1, saved)
+        mutate(saved["tensors"])
+        mgr.join()
+        assert save_process_of(mgr).pid is not None, "save_async did not use a daemon"
+        target = zeros_like_state(expected)
+        mgr.restore(1, target)
+        assert differences(target, expected) == []
+    finally:
+        mgr.close()
+
+
+# -- 6. plain save() in process mode ---------------------------------------------------------------
+def test_sync_save_in_process_mode_runs_in_thread_and_starts_no_daemon(ckpt_dir: Path) -> None:
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    train_one_step(model, optimizer, 0)
+    tensors = tensor_state(51, "base")
+    expected = snapshot(tensors, model, optimizer)
+    children_before = set(multiprocessing.active_children())
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save(1, {"tensors": tensors, "model": model, "optim": optimizer})
+        assert save_process_of(mgr).pid is None
+        assert save_process_of(mgr)._daemon is None
+        assert set(multiprocessing.active_children()) == children_before
+        assert restored_differences(mgr, 1, expected) == []
+        assert checksum_problems(step_dir(ckpt_dir, 1), read_record(ckpt_dir, 1)) == []
+
+
+# -- 7. two ranks under torchrun -------------------------------------------------------------------
+def test_two_ranks_save_async_in_daemons_and_restore_bit_exact(tmp_path: Path) -> None:
+    out_dir, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out_dir.mkdir()
+    launch = torchrun("process", NPROC, WORKER, out_dir, "process", out_dir, ckpt)
+    records = launch.checked_records(NPROC)
+    for rank, record in records.items():
+        where = f"rank {rank}"
+        assert [entry["step"] for entry in record["saves"]] == STEPS, where
+        for entry in record["saves"]:
+            assert entry["error"] is None and entry["returned"] is True, f"{where}: {entry}"
+            assert entry["training_all_reduce"] == [3.0] * 4, where
+        assert record["join_errors"] == [None, None], where
+        assert record["all_steps"] == STEPS, where
+        pids = record["daemon_pids"]
+        assert len(set(pids)) == 1 and pids[0] is not None, f"{where}: {pids}"
+        assert pids[0] != record["pid"], where
+        assert record["daemon_alive_before_close"] is True, where
+        assert record["close_error"] is None, where
+        assert record["daemon_alive_after_close"] is False, where
+        assert [r["step"] for r in record["restores"]] == STEPS, where
+        for restored in record["restores"]:
+            assert restored["error"] is None, f"{where}: {restored}"
+            assert restored["differences"] == dict.fromkeys(restored["differences"]), (
+                f"{where}, step {restored['step']}: {restored['differences']}"
+            )
+            assert set(restored["differences"]) == {"model", "local", "local_big", "step"}
+    assert records[0]["daemon_pids"][0] != records[1]["daemon_pids"][0]
+
+    for step in STEPS:
+        record = read_record(ckpt, step)
+        assert record.world_size == NPROC
+        directory = step_dir(ckpt, step)
+        assert checksum_problems(directory, record) == [], f"step {step}"
+        data = [entry.path for entry in record.files if entry.path.endswith(".distcp")]
+        for rank in range(NPROC):
+            assert any(name.startswith(f"__{rank}_") for name in data), (
+                f"step {step}: no data file of rank {rank} in {data}"
+            )
+            assert f"objects-rank{rank:05d}.json" in {entry.path for entry in record.files}
+
+
+def test_two_ranks_recover_after_one_daemon_is_killed(tmp_path: Path) -> None:
+    """Rank 1's daemon dies between saves: the save after it may fail (with CheckpointError,
+    on both ranks), but the one after that must commit on both ranks."""
+    out_dir, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out_dir.mkdir()
+    launch = torchrun("kill", NPROC, WORKER, out_dir, "kill", out_dir, ckpt)
+    records = launch.checked_records(NPROC)
+    assert records[1]["killed"] is True
+    for rank, record in records.items():
+        saves = {entry["step"]: entry for entry in record["saves"]}
+        assert sorted(saves) == KILL_STEPS
+        first = saves[KILL_STEPS[0]]
+        assert first["error"] is None or first["is_checkpoint_error"], f"rank {rank}: {first}"
+        last = saves[KILL_STEPS[-1]]
+        assert last["error"] is None, f"rank {rank}: the manager did not recover: {record}"
+        assert KILL_STEPS[-1] in record["all_steps"], f"rank {rank}: {record['all_steps']}"
+        assert record["restore_error"] is None, f"rank {rank}"
+        assert set(record["restore_differences"].values()) == {None}, record["restore_differences"]
+        assert record["close_error"] is None, f"rank {rank}"
+    assert records[1]["saves"][-1]["pid"] not in (None, records[1]["first_pid"])
+    assert (
+        checksum_problems(step_dir(ckpt, KILL_STEPS[-1]), read_record(ckpt, KILL_STEPS[-1])) == []
+    )
+
+
+# -- 8. S3 (moto's server on 127.0.0.1) ------------------------------------------------------------
+@pytest.fixture(name="s3_server", scope="module")
+def s3_server_fixture() -> Iterator[Server]:
+    """moto's S3 server, as tests/test_cloud_storage.py runs it (S3 only here)."""
+    require_cloud_modules()
+    running = start_moto()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.mark.cloud
+def test_process_mode_saves_to_s3_and_restores_bit_exact(s3_server: Server) -> None:
+    root = s3_server.root(f"process-{uuid.uuid4().hex[:12]}")
+    options = s3_server.storage_options()
+    with process_manager(root, storage_options=options) as mgr:
+        for step in (1, 2):
+            state = make_cloud_state(step, size=65536)
+            assert mgr.save_async(step, state)
+            mutate(state["model"])  # after staging: must not reach the checkpoint
+        mgr.join()
+        assert save_process_of(mgr).pid is not None, "save_async did not use a daemon"
+        assert mgr.all_steps() == [1, 2]
+        for step in (1, 2):
+            target = blank_like(make_cloud_state(step, size=65536))
+            mgr.restore(step, target)
+            assert cloud_differences(target, make_cloud_state(step, size=65536)) == []
+            mgr.verify(step, deep=True)
+    storage = CheckpointStorage(root, options)
+    for step in (1, 2):
+        record = storage.read_record(step)
+        assert any(entry.path.endswith(".distcp") for entry in record.files), record.files
+        for entry in record.files:
+            data = storage.fs.cat_file(f"{storage.step_path(step)}/{entry.path}")
+            assert (entry.size, entry.crc32) == (len(data), zlib.crc32(data)), entry
