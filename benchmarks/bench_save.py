@@ -206,6 +206,7 @@ class Bench:
             chkpt_on_preemption=False,
             num_of_threads=threads,
         )
+        self.process_manager: CheckpointManager | None = None  # async_mode="process", on demand
         self.step = 0
         self.raw = scratch / "raw.bin"
         self.raw_write()  # a file for the read floor from round 0 on
@@ -215,6 +216,8 @@ class Bench:
 
     def close(self) -> None:
         self.manager.close()
+        if self.process_manager is not None:
+            self.process_manager.close()
 
     def fresh(self, name: str) -> Path:
         path = self.scratch / name
@@ -306,18 +309,33 @@ class Bench:
         record.update(self._footprint(self._step_dir(), lambda p: p.suffix == ".distcp"))
         return record
 
-    def ckpt_async(self, loop: str | None = None) -> Record:
+    def ckpt_async(self, loop: str | None = None, process: bool = False) -> Record:
+        manager = self._process_manager() if process else self.manager
         self.step += 1
         step = self.step
-        held = self.manager._staging.nbytes  # internal: staging memory kept between saves
+        held = manager._staging.nbytes  # internal: staging memory kept between saves
         record = self._async(
-            lambda: self.manager.save_async(step, self.work.state),
-            lambda _: step in self.manager.all_steps(),
-            lambda _: self.manager.join(),
+            lambda: manager.save_async(step, self.work.state),
+            lambda _: step in manager.all_steps(),
+            lambda _: manager.join(),
             loop,
         )
         record["extra_mem"] += held
         return record
+
+    def _process_manager(self) -> CheckpointManager:
+        if self.process_manager is None:
+            self.process_manager = CheckpointManager(
+                self.scratch / "ckptmgr-process",
+                1,
+                max_to_keep=1,
+                chkpt_on_preemption=False,
+                num_of_threads=self.threads,
+                async_mode="process",
+            )
+            self.process_manager.save_async(0, self.work.state)  # starts the daemon
+            self.process_manager.join()
+        return self.process_manager
 
     def ckpt_restore(self) -> Record:
         drop_cache(self.scratch / "ckptmgr")
@@ -386,12 +404,19 @@ def run_workload(work: Workload, args: argparse.Namespace, scratch: Path) -> dic
         ("dcp.load", bench.dcp_load),
         ("ckptmgr save", bench.ckpt_save),
         ("ckptmgr save_async", bench.ckpt_async),
+        ("ckptmgr save_async (process)", lambda: bench.ckpt_async(process=True)),
         ("ckptmgr restore", bench.ckpt_restore),
     ]
     for loop in args.loops:
         methods.append((f"dcp.async_save + {loop} loop", lambda loop=loop: bench.dcp_async(loop)))
         methods.append(
             (f"ckptmgr save_async + {loop} loop", lambda loop=loop: bench.ckpt_async(loop))
+        )
+        methods.append(
+            (
+                f"ckptmgr save_async (process) + {loop} loop",
+                lambda loop=loop: bench.ckpt_async(loop, process=True),
+            )
         )
     if args.skip:
         methods = [(n, m) for n, m in methods if n not in args.skip]
@@ -506,6 +531,17 @@ def report(summary: dict[str, Any]) -> str:
     dcp_block = get("dcp.async_save", "blocking")
     if dcp_block is not None:
         lines.append(f"| dcp.async_save blocking per tensor | {dcp_block / count * 1e6:.1f} µs |")
+    for loop in ("compute", "python"):
+        for mode in ("", " (process)"):
+            name = f"ckptmgr save_async{mode} + {loop} loop"
+            slowdown, lost = get(name, "slowdown"), get(name, "lost")
+            if slowdown is None or lost is None:
+                continue
+            share = 1 - 1 / slowdown if slowdown > 0 else float("nan")
+            lines.append(
+                f"| {loop}-bound loop, save_async{mode or ' (thread)'}: steps lost during the "
+                f"background write / lost s per save | {share * 100:.0f}% / {lost:.3f} s |"
+            )
     if "leak" in summary:
         growth = summary["leak"]["growth_per_save"]
         saves = len(summary["leak"]["rss_after_each_save"])

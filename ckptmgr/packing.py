@@ -38,7 +38,7 @@ PACK_MIN_TENSORS = 2
 class PackedTensor:
     """Where one tensor lies in the pack: byte ``offset``, ``dtype``, ``shape`` and ``nbytes``."""
 
-    __slots__ = ("dtype", "entry", "nbytes", "offset", "shape")
+    __slots__ = ("_entry", "dtype", "nbytes", "offset", "shape")
 
     def __init__(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         self.offset = offset
@@ -48,9 +48,16 @@ class PackedTensor:
         for size in shape:
             numel *= size
         self.nbytes = numel * dtype.itemsize
-        self.entry = TensorEntry.model_construct(  # its record entry, built once
-            dtype=_dtype_name(dtype), shape=list(shape)
-        )
+        self._entry: TensorEntry | None = None
+
+    @property
+    def entry(self) -> TensorEntry:
+        """Its record entry (built on first use, then kept: staging keeps the layout)."""
+        if self._entry is None:
+            self._entry = TensorEntry.model_construct(
+                dtype=_dtype_name(self.dtype), shape=list(self.shape)
+            )
+        return self._entry
 
     def __repr__(self) -> str:
         return f"PackedTensor(offset={self.offset}, dtype={self.dtype}, shape={self.shape})"
@@ -131,12 +138,14 @@ def split_for_load(
             for key, value in zip(run, views, strict=True):
                 dest = wanted[key]
                 if DTensor is not None and isinstance(dest, DTensor):
-                    dest.to_local().copy_(_local_part(value, dest))
+                    with torch.no_grad():
+                        dest.to_local().copy_(_local_part(value, dest))
                 else:
-                    dsts.append(dest.detach())
+                    dsts.append(dest)
                     srcs.append(value)
         if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            with torch.no_grad():  # destinations may be parameters
+                torch._foreach_copy_(dsts, srcs)
 
     return to_load, unpack
 
