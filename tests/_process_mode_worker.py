@@ -107,20 +107,26 @@ def _error(action: Callable[[], Any]) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {exc} (cause: {exc.__cause__!r})"[:3000]
 
 
-def run(rank: int, ckpt_dir: str) -> dict[str, Any]:
-    import torch.distributed as dist
-
+def open_process_manager(ckpt_dir: str, timeout_s: float) -> tuple[Any, Any]:
+    """A process-mode manager saving every step, and its SaveProcess."""
     from ckptmgr import CheckpointManager
 
     manager = CheckpointManager(
         ckpt_dir,
         save_interval=1,
         chkpt_on_preemption=False,
-        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        collective_timeout_s=timeout_s,
         async_mode="process",
     )
     save_process = manager._save_process
     assert save_process is not None, "the manager is not in process mode"
+    return manager, save_process
+
+
+def run(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    manager, save_process = open_process_manager(ckpt_dir, COLLECTIVE_TIMEOUT_S)
     record: dict[str, Any] = {"pid": os.getpid(), "saves": [], "join_errors": [], "daemon_pids": []}
     state = make_state(STEPS[0], rank)
     for step in STEPS:
@@ -181,17 +187,9 @@ def run_kill(rank: int, ckpt_dir: str) -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from ckptmgr import CheckpointError, CheckpointManager
+    from ckptmgr import CheckpointError
 
-    manager = CheckpointManager(
-        ckpt_dir,
-        save_interval=1,
-        chkpt_on_preemption=False,
-        collective_timeout_s=KILL_COLLECTIVE_TIMEOUT_S,
-        async_mode="process",
-    )
-    save_process = manager._save_process
-    assert save_process is not None, "the manager is not in process mode"
+    manager, save_process = open_process_manager(ckpt_dir, KILL_COLLECTIVE_TIMEOUT_S)
     record: dict[str, Any] = {"saves": []}
     manager.save_async(1, make_state(1, rank))
     manager.join()
