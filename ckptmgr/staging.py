@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ckptmgr.errors import CheckpointError
 from ckptmgr.packing import PACK_KEY, PACK_MIN_TENSORS, PackedTensor, is_packable
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class _Arena:
         self._map: mmap.mmap | None = None
         self._storage: torch.UntypedStorage | None = None
         if shared:
+            check_shared_memory(size)
             self._storage = torch.UntypedStorage._new_shared(max(size, 1))
             owner: object = self._storage
         else:
@@ -95,6 +98,26 @@ class _Arena:
         if self.size:
             whole = self.region(0, self.size)
             whole[:: mmap.PAGESIZE].zero_()
+
+
+SHARED_MEMORY_DIR = "/dev/shm"
+"""Where torch's shared memory lives on Linux (a tmpfs; 64 MiB by default in Docker)."""
+
+
+def check_shared_memory(size: int, directory: str = SHARED_MEMORY_DIR) -> None:
+    """Raise ``CheckpointError`` when ``directory`` has less than ``size`` bytes free: touching
+    shared memory beyond the tmpfs' size kills the process with SIGBUS, so ask first."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:  # not Linux, or no such tmpfs: torch will report what it finds
+        return
+    free = stats.f_bavail * stats.f_frsize
+    if size > free:
+        raise CheckpointError(
+            f"async_mode='process' stages {size} bytes in shared memory, but {directory} has "
+            f"only {free} bytes free; give the job more shared memory (Docker: --shm-size, "
+            f"Kubernetes: an emptyDir with medium: Memory at /dev/shm) or use async_mode='thread'"
+        )
 
 
 def _register_pinned(owner: object, pointer: int, size: int) -> bool:

@@ -4,6 +4,7 @@ those states through a real CheckpointManager."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -12,8 +13,15 @@ import pytest
 import torch
 
 from ckptmgr import CheckpointManager
+from ckptmgr.errors import CheckpointError
 from ckptmgr.packing import PACK_KEY, PackedTensor
-from ckptmgr.staging import StagingBuffers, StagingPool
+from ckptmgr.staging import (
+    SHARED_MEMORY_DIR,
+    StagingBuffers,
+    StagingPool,
+    _Arena,
+    check_shared_memory,
+)
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -207,3 +215,18 @@ def test_round_trip_through_the_manager_with_shape_changes_and_views(tmp_path: P
             target = {k: torch.empty_like(v) for k, v in expected.items()}
             manager.restore(step, target)
             _assert_exact(target, expected)
+
+
+def test_process_mode_arena_larger_than_free_shared_memory_is_refused(tmp_path: Path) -> None:
+    """Shared memory beyond the tmpfs' size would kill the process with SIGBUS when touched:
+    a shared arena that does not fit is refused with CheckpointError before it is allocated."""
+    stats = os.statvfs(tmp_path)
+    free = stats.f_bavail * stats.f_frsize
+    with pytest.raises(CheckpointError, match="shared memory") as refused:
+        check_shared_memory(free + 2**30, str(tmp_path))
+    assert "async_mode='thread'" in str(refused.value)
+    check_shared_memory(1, str(tmp_path))  # what fits passes
+    if os.path.isdir(SHARED_MEMORY_DIR):
+        shm = os.statvfs(SHARED_MEMORY_DIR)
+        with pytest.raises(CheckpointError, match="shared memory"):
+            _Arena(shm.f_bavail * shm.f_frsize + 2**30, pin=False, shared=True)
