@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import shutil
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -604,6 +606,38 @@ def test_format_1_step_restores_bit_exact_read_only(format_v1_root: Path, steppe
         mgr.verify(5, deep=True)
         mgr.restore(5, state)
     assert_bit_equal(as_saved(state), expected)
+
+
+class _Payload:
+    """Unpickling this would create the file at ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (Path(self.path),))
+
+
+def test_a_crafted_pickle_in_a_format_1_data_file_runs_nothing(
+    format_v1_root: Path, tmp_path: Path
+) -> None:
+    """Format 1 data files are torch.save records, read with torch's weights-only unpickler: a
+    pickle that would run code (its size and checksum fixed in the record) is refused as
+    damage, and nothing runs."""
+    proof = tmp_path / "code-ran"
+    step_dir = format_v1_root / "step_000000000005"
+    data = step_dir / "__0_0.distcp"
+    evil = pickle.dumps(_Payload(str(proof)))
+    data.write_bytes(evil + b"\0" * (data.stat().st_size - len(evil)))
+    record = read_record(format_v1_root, 5)
+    for entry in record["files"]:
+        if entry["path"] == data.name:
+            entry["crc32"] = zlib.crc32(data.read_bytes())
+    (step_dir / "commit.json").write_text(json.dumps(record))
+    with manager(format_v1_root, read_only=True) as mgr:
+        with pytest.raises(CorruptCheckpointError):
+            mgr.restore(5, format_v1_state())
+    assert not proof.exists()
 
 
 def test_format_1_and_new_steps_live_side_by_side(format_v1_root: Path) -> None:
