@@ -483,7 +483,8 @@ class CheckpointManager:
             local_error = local_error or _unwrap_dcp_error(exc)
         if writer is not None:
             checksums.update(writer.checksums.snapshot())
-        if dcp_metadata is not None:  # files the checkpoint daemon wrote (process mode)
+        if dcp_metadata is not None:  # every rank's files, as finish() saw them (in process
+            # mode the only account: the writer that wrote them lived in the daemon)
             checksums.update(getattr(dcp_metadata, CHECKSUMS_ATTRIBUTE, {}))
         gathered = comm.all_gather((_describe(local_error), checksums), group)
         errors = [error for error, _ in gathered]

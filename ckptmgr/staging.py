@@ -212,7 +212,8 @@ class StagingBuffers:
         copy beyond the staging copy itself.
 
         The copies are CPU tensors (each with a storage of its own, except views that shared a
-        storage in ``tensors``, which share one region here too). A DTensor's local shard is
+        storage in ``tensors``, which share one region here too; in a shared-memory arena all
+        are views of its one storage). A DTensor's local shard is
         copied (never the global tensor) and re-wrapped as a DTensor with the same mesh and
         placements, whose local tensor stays in host memory. When this returns, the caller may
         modify the originals freely.
