@@ -17,6 +17,7 @@ new one. Everything else of a save (the commit, retention) stays in the training
 from __future__ import annotations
 
 import logging
+import multiprocessing.connection
 import socket
 import threading
 from typing import Any
@@ -123,13 +124,15 @@ class SaveProcess:
             except BaseException as exc:
                 self._failed = True
                 process = daemon._save_process
-                broken = isinstance(exc, (OSError, EOFError))  # its end of the pipe closed
+                # A broken pipe means the daemon closed its end: it died, or is dying. Its
+                # exit is awaited on its sentinel, without reaping it (another thread may).
+                broken = isinstance(exc, (OSError, EOFError))
                 if broken:
-                    process.join(timeout=_EXIT_WAIT_S)
+                    multiprocessing.connection.wait([process.sentinel], timeout=_EXIT_WAIT_S)
                 if broken or not process.is_alive():
                     raise CheckpointError(
                         f"the checkpoint daemon process (pid {process.pid}) died during the "
-                        f"save (exit code {process.exitcode}): {exc!r}"
+                        f"save: {exc!r}"
                     ) from exc
                 raise
 
