@@ -14,7 +14,7 @@ global value), so a packed step restores into a sharded model as well.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -76,29 +76,38 @@ def pack(
     """
     if PACK_KEY in tensors:
         raise CheckpointError(f"{PACK_KEY!r} is a name reserved by ckptmgr; rename that state key")
-    groups: dict[torch.dtype, list[str]] = {}
-    count = 0
-    for key, tensor in tensors.items():
-        if is_packable(tensor):
-            groups.setdefault(tensor.dtype, []).append(key)
-            count += 1
-    if count < PACK_MIN_TENSORS:
+    placed = pack_layout(tensors, [key for key, t in tensors.items() if is_packable(t)])
+    if not placed:
         return dict(tensors), {}
-    placed: dict[str, PackedTensor] = {}
     flats: list[torch.Tensor] = []
-    offset = 0
-    for dtype in sorted(groups, key=lambda d: -d.itemsize):
-        keys = groups[dtype]
-        members = [tensors[key] for key in keys]
-        flat = _flatten_dense_tensors([t.detach().resolve_conj().resolve_neg() for t in members])
+    for dtype, run in _runs(placed, placed):
+        members = [tensors[key].detach().resolve_conj().resolve_neg() for key in run]
+        flat = _flatten_dense_tensors(members)
         flats.append(flat.view(torch.uint8) if dtype != torch.uint8 else flat)
-        for key, tensor in zip(keys, members, strict=True):
-            entry = PackedTensor(offset, dtype, tuple(tensor.shape))
-            placed[key] = entry
-            offset += entry.nbytes
     stored = {key: tensor for key, tensor in tensors.items() if key not in placed}
     stored[PACK_KEY] = torch.cat(flats)
     return stored, placed
+
+
+def pack_layout(
+    tensors: Mapping[str, torch.Tensor], keys: Iterable[str]
+) -> dict[str, PackedTensor]:
+    """Where each of ``keys`` lies in a pack, in pack order: grouped by dtype, groups in
+    decreasing item size, back to back (so every offset is a multiple of its item size, with no
+    padding). Empty when there are fewer than ``PACK_MIN_TENSORS`` keys: nothing is packed."""
+    groups: dict[torch.dtype, list[str]] = {}
+    for key in keys:
+        groups.setdefault(tensors[key].dtype, []).append(key)
+    if sum(len(group) for group in groups.values()) < PACK_MIN_TENSORS:
+        return {}
+    placed: dict[str, PackedTensor] = {}
+    offset = 0
+    for dtype in sorted(groups, key=lambda d: -d.itemsize):
+        for key in groups[dtype]:
+            entry = PackedTensor(offset, dtype, tuple(tensors[key].shape))
+            placed[key] = entry
+            offset += entry.nbytes
+    return placed
 
 
 def split_for_load(
@@ -158,9 +167,9 @@ def unpacked(
 
 
 def _runs(
-    wanted: Mapping[str, torch.Tensor], placed: Mapping[str, PackedTensor]
+    wanted: Iterable[str], placed: Mapping[str, PackedTensor]
 ) -> list[tuple[torch.dtype, list[str]]]:
-    """The wanted keys in pack order, cut into runs of one dtype that lie back to back."""
+    """The ``wanted`` keys in pack order, cut into runs of one dtype that lie back to back."""
     runs: list[tuple[torch.dtype, list[str]]] = []
     end = -1
     for key in sorted(wanted, key=lambda k: placed[k].offset):

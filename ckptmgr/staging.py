@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from ckptmgr.errors import CheckpointError
-from ckptmgr.packing import PACK_KEY, PACK_MIN_TENSORS, PackedTensor, is_packable
+from ckptmgr.packing import PACK_KEY, PackedTensor, is_packable, pack_layout
 
 log = logging.getLogger(__name__)
 
@@ -256,23 +256,17 @@ class StagingBuffers:
         unit_keys: list[str] = []
         entries: dict[str, tuple[int, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]]
         entries = {}
-        packed: dict[str, PackedTensor] = {}
         offset = 0
-        # The pack first: by decreasing item size, back to back (each offset is then a multiple
-        # of its item size), never sharing a storage with another staged tensor.
+        # The pack first, laid out as packing.pack_layout says, from tensors that share their
+        # storage with no other staged tensor.
         single = {keys[0] for keys in by_storage.values() if len(keys) == 1}
-        pack_keys = [key for key in pack_keys if key in single]
-        if len(pack_keys) < PACK_MIN_TENSORS:
-            pack_keys = []
-        for key in sorted(pack_keys, key=lambda k: -sources[k].dtype.itemsize):
-            source = sources[key]
-            entry = PackedTensor(offset, source.dtype, tuple(source.shape))
-            packed[key] = entry
-            entries[key] = (len(units), (source.dtype, tuple(source.shape), (), -1))
-            units.append((offset, entry.nbytes, 0))
+        packed = pack_layout(sources, [key for key in pack_keys if key in single])
+        for key, entry in packed.items():
+            entries[key] = (len(units), (entry.dtype, entry.shape, (), -1))
+            units.append((entry.offset, entry.nbytes, 0))
             shared.append(False)
             unit_keys.append(key)
-            offset += entry.nbytes
+            offset = entry.offset + entry.nbytes
         pack_bytes = offset
         offset = _aligned(offset)
         for keys in by_storage.values():
