@@ -139,6 +139,7 @@ class CheckpointManager:
         self._comm = Collectives(config.process_group, config.collective_timeout_s)
         self._policy = _build_policy(config)
         self._records = pruning.RecordReader(self._storage)
+        self._record_sections = packing.RecordSectionCache()  # used by the writer thread only
         self._schedule = schedule_from(config.save_interval, config.save_policy, time.monotonic())
         self._schedule_needs_agreement = not all(
             is_rank_independent(policy) for policy in self._schedule.policies
@@ -540,9 +541,7 @@ class CheckpointManager:
             described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
             return _SaveOutcome(committed=False, error=described, deleted=[]), None
         try:
-            tensor_entries, packed_offsets = packing.record_entries(
-                _tensor_entries(dcp_metadata), request.packed
-            )
+            section = self._record_sections.section(_tensor_entries(dcp_metadata), request.packed)
             record = CommitRecord(
                 step=request.step,
                 save_id=save_id,
@@ -551,13 +550,12 @@ class CheckpointManager:
                 metrics=request.metrics,
                 metadata=request.metadata,
                 files=_with_checksums(self._storage.list_files(write_dir), written),
-                tensors=tensor_entries,
-                packed=packed_offsets,
                 object_files=[objects_file_name(r) for r in range(self._comm.world_size)],
                 ckptmgr_version=__version__,
                 torch_version=torch.__version__,
                 byteorder=sys.byteorder,
             )
+            record.use_section(section)
             self._storage.commit(request.step, write_dir, record)
             self._records.remember(record)
         except Exception as exc:

@@ -20,7 +20,7 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
-from ckptmgr.record import CommitRecord, TensorEntry
+from ckptmgr.record import CommitRecord, TensorEntry, TensorSection
 
 try:
     from torch.distributed.tensor import DTensor
@@ -243,6 +243,27 @@ def record_entries(
         entries[key] = where.entry
         offsets[key] = where.offset
     return entries, offsets
+
+
+class RecordSectionCache:
+    """The :class:`~ckptmgr.record.TensorSection` of the last save, reused by the next save while
+    the staging layout (the very same ``placed`` dict) and DCP's own entries are unchanged:
+    a state of many small tensors then costs its record no per-tensor work from save to save."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Mapping[str, PackedTensor], Mapping[str, TensorEntry], TensorSection]
+        self._last = ({}, {}, TensorSection({}, {}))
+
+    def section(
+        self, stored: Mapping[str, TensorEntry], placed: Mapping[str, PackedTensor]
+    ) -> TensorSection:
+        """The record section for DCP's ``stored`` entries and the pack layout ``placed``."""
+        last_placed, last_stored, last_section = self._last
+        if placed is last_placed and stored == last_stored:
+            return last_section
+        section = TensorSection(*record_entries(stored, placed))
+        self._last = (placed, stored, section)
+        return section
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

@@ -11,7 +11,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
+    TypeAdapter,
     field_validator,
     model_serializer,
 )
@@ -74,6 +76,30 @@ class TensorEntry(BaseModel):
     shape: list[int]
 
 
+_TENSORS_JSON = TypeAdapter(dict[str, TensorEntry])
+_PACKED_JSON = TypeAdapter(dict[str, int])
+
+
+class TensorSection:
+    """A record's ``tensors`` and ``packed``, with their JSON text made once.
+
+    With thousands of tensors these two fields are nearly all of a record, and they stay the same
+    from save to save while the state's layout does: a saver keeps one section and hands it to
+    every record (:meth:`CommitRecord.use_section`), which then serialises only its small rest.
+    The dicts must not be changed after the section is made.
+    """
+
+    __slots__ = ("json", "packed", "tensors")
+
+    def __init__(self, tensors: dict[str, TensorEntry], packed: dict[str, int]) -> None:
+        self.tensors = tensors
+        self.packed = packed
+        self.json = (
+            f'"tensors": {_TENSORS_JSON.dump_json(tensors).decode()},\n'
+            f' "packed": {_PACKED_JSON.dump_json(packed).decode()}'
+        )
+
+
 class CommitRecord(BaseModel):
     """Everything ckptmgr knows about one committed step, stored as ``commit.json``.
 
@@ -101,14 +127,32 @@ class CommitRecord(BaseModel):
     byteorder: Literal["little", "big"] | None = None
     """Byte order of the raw tensor bytes (format 2); None in format 1."""
 
+    _section: TensorSection | None = PrivateAttr(default=None)
+
     @field_validator("object_files")
     @classmethod
     def _object_files_inside_step(cls, value: list[str]) -> list[str]:
         return [_safe_path(name) for name in value]
 
+    def use_section(self, section: TensorSection) -> None:
+        """Take ``tensors`` and ``packed`` from ``section`` (already validated: entries made by
+        ckptmgr), so that :meth:`to_json` reuses its JSON text."""
+        self.tensors = section.tensors
+        self.packed = section.packed
+        self._section = section
+
     def to_json(self) -> bytes:
-        """Serialise to UTF-8 JSON bytes."""
-        return self.model_dump_json(indent=1).encode()
+        """Serialise to UTF-8 JSON bytes (``tensors`` and ``packed`` last, on one line each)."""
+        head = self.model_dump_json(indent=1, exclude={"tensors", "packed"})
+        section = self._section
+        if (
+            section is None
+            or section.tensors is not self.tensors
+            or section.packed is not self.packed
+        ):
+            section = TensorSection(self.tensors, self.packed)  # fields set since: made anew
+        assert head.endswith("\n}")
+        return f"{head[:-2]},\n {section.json}\n}}".encode()
 
     @classmethod
     def from_json(cls, data: bytes | str) -> CommitRecord:

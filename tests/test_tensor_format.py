@@ -285,6 +285,58 @@ def test_record_lists_every_logical_key_with_dtype_and_shape(saved_step: SavedSt
     assert {p.name for p in distcp_files(saved_step.root, saved_step.step)} <= files
 
 
+def test_record_section_is_serialised_once_and_follows_later_changes() -> None:
+    """A record that takes its tensors from a TensorSection writes the same JSON content as one
+    given the fields directly; fields set afterwards are what gets written."""
+    from ckptmgr.record import TensorEntry, TensorSection, utc_now
+
+    entries = {
+        "a/b": TensorEntry(dtype="float32", shape=[2, 3]),
+        "c": TensorEntry(dtype="int8", shape=[]),
+    }
+    offsets = {"a/b": 0, "c": 24}
+    fields = dict(step=3, save_id="s", committed_at=utc_now(), world_size=1, metrics={"loss": 1.5})
+    direct = CommitRecord(**fields, tensors=entries, packed=offsets)
+    sectioned = CommitRecord(**fields)
+    sectioned.use_section(TensorSection(entries, offsets))
+    assert json.loads(sectioned.to_json()) == json.loads(direct.to_json())
+    assert CommitRecord.from_json(sectioned.to_json()) == direct
+    sectioned.tensors = {"z": TensorEntry(dtype="bool", shape=[1])}
+    sectioned.packed = {}
+    written = json.loads(sectioned.to_json())
+    assert written["tensors"] == {"z": {"dtype": "bool", "shape": [1]}}
+    assert written["packed"] == {}
+
+
+def test_saves_of_one_layout_share_a_record_section_and_a_new_layout_gets_its_own(
+    tmp_path: Path,
+) -> None:
+    """While the staging layout holds, each record reuses one section (serialised once); after a
+    shape change the record describes the new shapes."""
+    state = {f"t{i}": torch.full((4,), float(i)) for i in range(10)}
+    with manager(tmp_path) as mgr:
+        sections = []
+        for step in (1, 2):
+            assert mgr.save_async(step, state)
+            mgr.join()
+            sections.append(mgr._record_sections._last[2])  # internal: the cached section
+        assert sections[0] is sections[1]
+        state["t3"] = torch.zeros(2, 3)
+        assert mgr.save_async(3, state)
+        mgr.join()
+        assert mgr._record_sections._last[2] is not sections[0]
+        for step in (1, 2, 3):
+            record = read_record(tmp_path, step)
+            expected = [2, 3] if step == 3 else [4]
+            assert record["tensors"]["t3"]["shape"] == expected
+            assert set(record["packed"]) == set(state)
+            target = {k: torch.empty_like(v) for k, v in state.items()}
+            if step < 3:
+                target["t3"] = torch.empty(4)
+            mgr.restore(step, target)
+            assert torch.equal(target["t5"], state["t5"])
+
+
 def test_saved_step_restores_bit_exact_into_zeros(saved_step: SavedStep) -> None:
     """The same step restores into zero tensors and a zeroed module, bit-exact."""
     target = STATES[saved_step.state_name]()
