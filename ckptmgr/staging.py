@@ -34,7 +34,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +161,11 @@ class _Layout:
     unit_keys: list[str]  # per unit: the key whose source storage the unit is copied from
     packed: dict[str, PackedTensor]  # small tensors staged back to back at the arena's start
     pack_bytes: int
+    quick: tuple[object, ...]  # _quick_signature of the state it was made for
+    plain: bool  # no DTensor: the quick signature and _views_still_share decide reuse
+    # per shared unit: (unit index, the (key, storage offset, stride) of every view on it)
+    share_groups: list[tuple[int, list[tuple[str, int, tuple[int, ...]]]]]
+    on_cpu: bool  # every source is a CPU tensor: one host copy call
 
 
 class StagingBuffers:
@@ -176,6 +181,8 @@ class StagingBuffers:
         self._empty: dict[str, torch.Tensor] = {}  # zero-element tensors (no arena bytes)
         self._stream: torch.cuda.Stream | None = None
         self._pack_view = torch.empty(0, dtype=torch.uint8)  # the pack region of the arena
+        self._copy_dst: list[torch.Tensor] = []  # per unit: where its bytes are copied to
+        self._out: dict[str, torch.Tensor] = {}  # what stage() returns (before DTensor rewrap)
 
     @property
     def nbytes(self) -> int:
@@ -194,6 +201,8 @@ class StagingBuffers:
         self._staged = {}
         self._unit_dst = []
         self._empty = {}
+        self._copy_dst = []
+        self._out = {}
 
     @property
     def packed(self) -> dict[str, PackedTensor]:
@@ -218,33 +227,40 @@ class StagingBuffers:
         placements, whose local tensor stays in host memory. When this returns, the caller may
         modify the originals freely.
         """
-        sources = {key: _local(tensor).detach() for key, tensor in tensors.items()}
-        signature = (_signature(sources), pack)
-        if self._layout is None or self._layout.signature != signature:
-            self._relayout(
-                signature,
-                sources,
-                [key for key, t in tensors.items() if is_packable(t)] if pack else [],
-            )
+        quick = _quick_signature(tensors, pack)
         layout = self._layout
+        if (
+            layout is not None
+            and layout.plain
+            and layout.quick == quick
+            and _views_still_share(layout, tensors)
+        ):
+            sources = tensors  # plain tensors laid out as before: copied as they are
+        else:
+            sources = {key: _local(tensor).detach() for key, tensor in tensors.items()}
+            signature = (_signature(sources), pack)
+            if layout is None or layout.signature != signature:
+                pack_keys = [key for key, t in tensors.items() if is_packable(t)] if pack else []
+                self._relayout(signature, quick, sources, pack_keys)
+            else:  # same layout (e.g. tensors became parameters): recognise them quickly next
+                layout.quick = quick
+            layout = self._layout
         assert layout is not None
         self._copy(layout, sources)
-        staged: dict[str, torch.Tensor] = {}
-        packed = layout.packed
-        for key, tensor in tensors.items():
-            if key in packed:
-                continue
-            buffer = self._staged.get(key)
-            if buffer is None:
-                buffer = self._empty[key]
-            staged[key] = self._rewrap(tensor, buffer)
-        if packed:
-            staged[PACK_KEY] = self._pack_view
-        return staged
+        if layout.plain:
+            return dict(self._out)
+        return {
+            key: buffer if key == PACK_KEY else self._rewrap(tensors[key], buffer)
+            for key, buffer in self._out.items()
+        }
 
     # -- layout ----------------------------------------------------------------------------------
     def _relayout(
-        self, signature: Hashable, sources: dict[str, torch.Tensor], pack_keys: list[str]
+        self,
+        signature: Hashable,
+        quick: tuple[object, ...],
+        sources: dict[str, torch.Tensor],
+        pack_keys: list[str],
     ) -> None:
         by_storage: dict[tuple[str, int], list[str]] = {}
         for key, source in sources.items():
@@ -319,14 +335,47 @@ class StagingBuffers:
             for key, source in sources.items()
             if source.numel() == 0
         }
+        share_groups = []
+        for unit, is_shared in enumerate(shared):
+            if is_shared:
+                members = [key for key, (u, _) in entries.items() if u == unit]
+                share_groups.append(
+                    (
+                        unit,
+                        [
+                            (key, sources[key].storage_offset(), tuple(sources[key].stride()))
+                            for key in members
+                        ],
+                    )
+                )
+        plain = DTensor is None or not any(issubclass(kind, DTensor) for kind, *_ in quick[2])
         self._layout = _Layout(
-            signature, offset, pin, units, entries, shared, unit_keys, packed, pack_bytes
+            signature,
+            offset,
+            pin,
+            units,
+            entries,
+            shared,
+            unit_keys,
+            packed,
+            pack_bytes,
+            quick,
+            plain,
+            share_groups,
+            all(source.device.type == "cpu" for source in sources.values()),
         )
         self._unit_dst = unit_dst
         self._staged = staged
+        self._copy_dst = [
+            unit_dst[unit] if shared[unit] else staged[key] for unit, key in enumerate(unit_keys)
+        ]
         self._pack_view = (
             arena.region(0, pack_bytes) if pack_bytes else torch.empty(0, dtype=torch.uint8)
         )
+        out = {key: staged.get(key, self._empty.get(key)) for key in sources if key not in packed}
+        if packed:
+            out[PACK_KEY] = self._pack_view
+        self._out = out  # type: ignore[assignment]
 
     def _ensure_arena(self, needed: int, pin: bool) -> None:
         """Keep the arena if ``needed`` fits and uses at least half of it, else replace it."""
@@ -344,29 +393,23 @@ class StagingBuffers:
         self._arena = arena
 
     # -- copying ---------------------------------------------------------------------------------
-    def _copy(self, layout: _Layout, sources: dict[str, torch.Tensor]) -> None:
-        host_dst: list[torch.Tensor] = []
-        host_src: list[torch.Tensor] = []
-        device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for unit, key in enumerate(layout.unit_keys):
-            source = sources[key]
-            if layout.shared[unit]:  # the covered bytes of a shared storage, copied once
-                _, size, start = layout.units[unit]
-                src = torch.empty(0, dtype=torch.uint8, device=source.device)
-                src.set_(source.untyped_storage(), start, (size,), (1,))
-                dst = self._unit_dst[unit]
-            else:
-                src = source
-                dst = self._staged[key]
-            if source.device.type == "cpu":
-                host_dst.append(dst)
-                host_src.append(src)
-            else:
-                device_pairs.append((dst, src))
-        if host_dst:
-            torch._foreach_copy_(host_dst, host_src)
-        if device_pairs:
-            self._copy_from_devices(device_pairs)
+    def _copy(self, layout: _Layout, sources: Mapping[str, torch.Tensor]) -> None:
+        srcs = [sources[key] for key in layout.unit_keys]
+        for unit, _ in layout.share_groups:  # the covered bytes of a shared storage, copied once
+            _, size, start = layout.units[unit]
+            source = srcs[unit]
+            src = torch.empty(0, dtype=torch.uint8, device=source.device)
+            src.set_(source.untyped_storage(), start, (size,), (1,))
+            srcs[unit] = src
+        dsts = self._copy_dst
+        if not layout.on_cpu:
+            host = [i for i, src in enumerate(srcs) if src.device.type == "cpu"]
+            others = [i for i, src in enumerate(srcs) if src.device.type != "cpu"]
+            self._copy_from_devices([(dsts[i], srcs[i]) for i in others])
+            dsts, srcs = [dsts[i] for i in host], [srcs[i] for i in host]
+        if dsts:
+            with torch.no_grad():  # sources may be parameters
+                torch._foreach_copy_(dsts, srcs)
 
     def _copy_from_devices(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Device-to-host copies: non-blocking on a side stream, then one synchronisation."""
@@ -410,6 +453,35 @@ def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
     low = tensor.storage_offset() * size
     last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True) if n > 0)
     return low, low + (last + 1) * size
+
+
+def _quick_signature(tensors: Mapping[str, torch.Tensor], pack: bool) -> tuple[object, ...]:
+    """What decides, for plain tensors, whether a layout still fits: keys in order, and each
+    tensor's type, dtype, shape and device. Strides and storage offsets do not matter for a
+    tensor staged on its own (it is copied into a contiguous region); views that shared a
+    storage are checked apart (:func:`_views_still_share`). Tensors that came to share a
+    storage since are still each copied on their own, which is correct."""
+    return (
+        pack,
+        list(tensors),
+        [(t.__class__, t.dtype, t.shape, t.device) for t in tensors.values()],
+    )
+
+
+def _views_still_share(layout: _Layout, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """True when every group of views staged on one shared region still views one storage at
+    the same offsets and strides (what the staged views were rebuilt with)."""
+    for _, members in layout.share_groups:
+        first = tensors[members[0][0]].untyped_storage().data_ptr()
+        for key, storage_offset, stride in members:
+            tensor = tensors[key]
+            if (
+                tensor.untyped_storage().data_ptr() != first
+                or tensor.storage_offset() != storage_offset
+                or tensor.stride() != stride
+            ):
+                return False
+    return True
 
 
 def _signature(sources: dict[str, torch.Tensor]) -> Hashable:

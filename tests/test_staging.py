@@ -117,6 +117,50 @@ def test_sharing_pattern_change_is_a_new_layout() -> None:
     _assert_exact(buffers.stage(separate), separate)
 
 
+def test_tensors_that_come_to_share_a_storage_are_each_copied_right() -> None:
+    buffers = StagingBuffers()
+    _assert_exact(
+        buffers.stage({"a": torch.arange(10.0), "b": torch.arange(10.0) + 5}),
+        {
+            "a": torch.arange(10.0),
+            "b": torch.arange(10.0) + 5,
+        },
+    )
+    base = torch.arange(15.0)
+    overlapping = {"a": base[:10], "b": base[5:]}  # same shapes, now one storage, overlapping
+    _assert_exact(buffers.stage(overlapping), overlapping)
+    tied = torch.randn(10)
+    same = {"a": tied, "b": tied}
+    _assert_exact(buffers.stage(same), same)
+
+
+def test_shared_views_that_move_within_their_storage_are_a_new_layout() -> None:
+    buffers = StagingBuffers()
+    base = torch.arange(20.0)
+    _assert_exact(buffers.stage({"a": base[:10], "b": base[10:]}), {"a": base[:10], "b": base[10:]})
+    swapped = {"a": base[10:], "b": base[:10]}  # same shapes and sharing, other offsets
+    _assert_exact(buffers.stage(swapped), swapped)
+    other = torch.arange(20.0) * 3  # the same views, of another storage
+    moved = {"a": other[:10], "b": other[10:]}
+    _assert_exact(buffers.stage(moved), moved)
+
+
+def test_strides_and_parameters_changing_under_one_layout() -> None:
+    buffers = StagingBuffers()
+    first = {"m": torch.randn(5, 8), "v": torch.randn(3)}
+    staged = buffers.stage(first)
+    _assert_exact(staged, first)
+    pointers = {k: v.data_ptr() for k, v in staged.items()}
+    transposed = {"m": torch.randn(8, 5).t(), "v": torch.randn(6)[::2]}  # same shapes, strided
+    staged = buffers.stage(transposed)
+    _assert_exact(staged, transposed)
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in first.items()}  # requires grad
+    staged = buffers.stage(params)
+    _assert_exact(staged, params)
+    assert not any(v.requires_grad for v in staged.values())
+    assert {k: v.data_ptr() for k, v in staged.items()} == pointers  # one layout throughout
+
+
 def _unpacked(staged: dict[str, torch.Tensor], placed: dict[str, PackedTensor]) -> dict:
     """The staged tensors with the pack cut back into the tensors it holds."""
     result = {k: v for k, v in staged.items() if k != PACK_KEY}
