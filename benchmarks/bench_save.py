@@ -35,6 +35,7 @@ import platform
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -213,6 +214,7 @@ class Bench:
         self.dcp_dir = scratch / "dcp-load"
         dcp.save(work.tensors, checkpoint_id=self.dcp_dir)
         self.loops = {"compute": Loop("compute"), "python": Loop("python")}
+        self.blob: torch.Tensor | None = None  # for the loops' floor, made on first use
 
     def close(self) -> None:
         self.manager.close()
@@ -257,6 +259,28 @@ class Bench:
                 else:
                     handle.readinto(view)
         return {"blocking": time.perf_counter() - started}
+
+    def raw_write_background(self, loop: str) -> Record:
+        """The loop's floor: the state's bytes written (one buffer, GIL released) and fsynced
+        on a background thread, which costs the loop CPU and memory bandwidth too."""
+        if self.blob is None:
+            self.blob = torch.empty(self.work.nbytes, dtype=torch.uint8)
+            self.blob.fill_(1)
+        blob = self.blob
+
+        def write() -> None:
+            with open(self.scratch / "raw-background.bin", "wb", buffering=0) as handle:
+                view = memoryview(blob.numpy()).cast("B")
+                while view:
+                    view = view[handle.write(view) :]
+                os.fsync(handle.fileno())
+
+        def start() -> threading.Thread:
+            thread = threading.Thread(target=write)
+            thread.start()
+            return thread
+
+        return self._async(start, lambda t: not t.is_alive(), lambda t: t.join(), loop)
 
     # baselines
     def torch_save(self) -> Record:
@@ -408,6 +432,12 @@ def run_workload(work: Workload, args: argparse.Namespace, scratch: Path) -> dic
         ("ckptmgr restore", bench.ckpt_restore),
     ]
     for loop in args.loops:
+        methods.append(
+            (
+                f"floor: raw write+fsync in a thread + {loop} loop",
+                lambda loop=loop: bench.raw_write_background(loop),
+            )
+        )
         methods.append((f"dcp.async_save + {loop} loop", lambda loop=loop: bench.dcp_async(loop)))
         methods.append(
             (f"ckptmgr save_async + {loop} loop", lambda loop=loop: bench.ckpt_async(loop))
@@ -532,14 +562,21 @@ def report(summary: dict[str, Any]) -> str:
     if dcp_block is not None:
         lines.append(f"| dcp.async_save blocking per tensor | {dcp_block / count * 1e6:.1f} µs |")
     for loop in ("compute", "python"):
-        for mode in ("", " (process)"):
-            name = f"ckptmgr save_async{mode} + {loop} loop"
+        for label, name in (
+            ("save_async (thread)", f"ckptmgr save_async + {loop} loop"),
+            ("save_async (process)", f"ckptmgr save_async (process) + {loop} loop"),
+            (
+                "floor: raw write+fsync in a thread",
+                f"floor: raw write+fsync in a thread + {loop} loop",
+            ),
+            ("dcp.async_save", f"dcp.async_save + {loop} loop"),
+        ):
             slowdown, lost = get(name, "slowdown"), get(name, "lost")
             if slowdown is None or lost is None:
                 continue
             share = 1 - 1 / slowdown if slowdown > 0 else float("nan")
             lines.append(
-                f"| {loop}-bound loop, save_async{mode or ' (thread)'}: steps lost during the "
+                f"| {loop}-bound loop, {label}: steps lost during the "
                 f"background write / lost s per save | {share * 100:.0f}% / {lost:.3f} s |"
             )
     if "leak" in summary:
