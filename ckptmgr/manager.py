@@ -25,6 +25,7 @@ from ckptmgr.background import BackgroundWriter
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+from ckptmgr.gc_pause import gc_paused
 from ckptmgr.integrity import expected_files, raise_problems
 from ckptmgr.lease import OwnerLease
 from ckptmgr.packing import PackedTensor
@@ -307,6 +308,7 @@ class CheckpointManager:
             self._preemption.clear()
 
     # -- saving ----------------------------------------------------------------------------------
+    @gc_paused()  # many small objects: see ckptmgr.gc_pause
     def save(
         self,
         step: int,
@@ -337,6 +339,7 @@ class CheckpointManager:
         self._exit_if_preemption_answered()
         return True
 
+    @gc_paused()  # many small objects: see ckptmgr.gc_pause
     def save_async(
         self,
         step: int,
@@ -655,6 +658,7 @@ class CheckpointManager:
             self._writer.wait()
         return self._preemption_reached == step
 
+    @gc_paused()  # many small objects: see ckptmgr.gc_pause
     def restore(self, step: int, state_dict: Mapping[str, Any]) -> None:
         """Load the checkpoint of ``step`` into ``state_dict`` in place.
 

@@ -14,6 +14,7 @@ global value), so a packed step restores into a sharded model as well.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -44,10 +45,7 @@ class PackedTensor:
         self.offset = offset
         self.dtype = dtype
         self.shape = shape
-        numel = 1
-        for size in shape:
-            numel *= size
-        self.nbytes = numel * dtype.itemsize
+        self.nbytes = math.prod(shape) * dtype.itemsize
         self._entry: TensorEntry | None = None
 
     @property
@@ -125,7 +123,7 @@ def split_for_load(
         return dict(destinations), lambda: None
     for key, dest in wanted.items():
         stored = placed[key].shape
-        if tuple(dest.shape) != stored:
+        if dest.shape != stored:  # torch.Size is a tuple
             raise CheckpointError(
                 f"{key!r}: the checkpoint holds shape {list(stored)}, the state to restore "
                 f"has {list(dest.shape)}"
@@ -139,12 +137,12 @@ def split_for_load(
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         for dtype, run in _runs(wanted, placed):
-            first = placed[run[0]]
-            end = placed[run[-1]].offset + placed[run[-1]].nbytes
-            flat = buffer[first.offset : end].view(dtype)
-            pieces = flat.split([placed[key].nbytes // dtype.itemsize for key in run])
-            views = [piece.view(placed[key].shape) for key, piece in zip(run, pieces, strict=True)]
-            for key, value in zip(run, views, strict=True):
+            entries = [placed[key] for key in run]
+            end = entries[-1].offset + entries[-1].nbytes
+            flat = buffer[entries[0].offset : end].view(dtype)
+            pieces = flat.split([entry.nbytes // dtype.itemsize for entry in entries])
+            for key, entry, piece in zip(run, entries, pieces, strict=True):
+                value = piece if len(entry.shape) == 1 else piece.view(entry.shape)
                 dest = wanted[key]
                 if DTensor is not None and isinstance(dest, DTensor):
                     with torch.no_grad():
@@ -172,8 +170,11 @@ def _runs(
     """The ``wanted`` keys in pack order, cut into runs of one dtype that lie back to back."""
     runs: list[tuple[torch.dtype, list[str]]] = []
     end = -1
-    for key in sorted(wanted, key=lambda k: placed[k].offset):
-        entry = placed[key]
+    keys = list(wanted)
+    entries = [placed[key] for key in keys]
+    offsets = [entry.offset for entry in entries]
+    for index in sorted(range(len(keys)), key=offsets.__getitem__):  # usually sorted already
+        key, entry = keys[index], entries[index]
         if runs and runs[-1][0] == entry.dtype and entry.offset == end:
             runs[-1][1].append(key)
         else:
