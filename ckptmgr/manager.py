@@ -34,7 +34,7 @@ from ckptmgr.record import CommitRecord, FileEntry, TensorEntry, is_raw, utc_now
 from ckptmgr.retry import RetryConfig
 from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, SaveProcess
-from ckptmgr.staging import StagingPool
+from ckptmgr.staging import StagingBuffers, StagingPool
 from ckptmgr.state import RestorePlan, flatten, plan_restore
 from ckptmgr.storage import CheckpointStorage, objects_file_name
 
@@ -141,6 +141,8 @@ class CheckpointManager:
         self._policy = _build_policy(config)
         self._records = pruning.RecordReader(self._storage)
         self._record_sections = packing.RecordSectionCache()  # used by the writer thread only
+        # Names packed into one item (ckptmgr.packing); None once the ranks' packs differed.
+        self._pack_filter: packing.PackFilter | None = packing.pack_filter(self._comm.world_size)
         self._schedule = schedule_from(config.save_interval, config.save_policy, time.monotonic())
         self._schedule_needs_agreement = not all(
             is_rank_independent(policy) for policy in self._schedule.policies
@@ -368,8 +370,7 @@ class CheckpointManager:
             raise
         try:
             self._writer.raise_first_error()  # a save we waited for may just have failed
-            # One rank: small tensors are staged into one pack (see ckptmgr.packing).
-            request.tensors = buffers.stage(request.tensors, pack=self._comm.world_size == 1)
+            request.tensors = self._stage(buffers, request.tensors)
             request.packed = buffers.packed
             request.staged = True
         except BaseException:
@@ -387,6 +388,31 @@ class CheckpointManager:
         )
         self._exit_if_preemption_answered()
         return True
+
+    def _stage(
+        self, buffers: StagingBuffers, tensors: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Stage ``tensors``, small ones into one pack (ckptmgr.packing) when every rank lays
+        out the same pack; collective under torch.distributed."""
+        staged = buffers.stage(tensors, pack=self._pack_filter)
+        if self._comm.distributed and self._pack_filter is not None:
+            if not self._packs_agree(buffers.pack_fingerprint, self._comm.control_group):
+                staged = buffers.stage(tensors, pack=None)
+        return staged
+
+    def _packs_agree(self, fingerprint: str | None, group: Any) -> bool:
+        """True when every rank has the same pack layout; else packing stops for good (the
+        ranks' replicated small tensors differ in names or shapes: each is stored on its own)."""
+        fingerprints = self._comm.all_gather(fingerprint, group)
+        if None not in fingerprints and len(set(fingerprints)) == 1:
+            return True
+        if self._pack_filter is not None:
+            log.warning(
+                "the ranks hold different sets of small shared tensors; they are no longer "
+                "packed into one item (each is stored on its own, as DCP does)"
+            )
+        self._pack_filter = None
+        return False
 
     def _request(
         self,
@@ -411,6 +437,10 @@ class CheckpointManager:
         if not wanted:
             return None
         flat = flatten(state_dict, self._comm.rank)
+        if packing.PACK_KEY in flat.tensors:
+            raise CheckpointError(
+                f"{packing.PACK_KEY!r} is a name reserved by ckptmgr; rename that state key"
+            )
         self._schedule.started(step, time.monotonic())
         with self._lock:
             self._in_flight.add(step)
@@ -463,12 +493,10 @@ class CheckpointManager:
             assert self._save_process is not None
             if not all(comm.all_gather(self._save_process.healthy, group)):
                 self._save_process.reset()
+        tensors = request.tensors
+        if not request.staged and self._pack_filter is not None:  # save(): pack here
+            tensors, request.packed = self._pack(tensors, group)
         try:  # every rank joins DCP's collectives, even after a local error, so none hangs
-            tensors = request.tensors
-            if comm.world_size == 1 and packing.PACK_KEY not in tensors:
-                # Packing needs every rank to agree on it: one rank only. save_async's staging
-                # packed already; save() packs here.
-                tensors, request.packed = packing.pack(tensors)
             writer = dcp_io.make_writer(
                 storage.url_for(write_dir),
                 local=storage.is_local,
@@ -528,6 +556,24 @@ class CheckpointManager:
             except CheckpointError as exc:  # step is committed: report at join/next save/close
                 log.error("%s", exc, exc_info=exc.__cause__)
                 self._writer.record_error(exc)
+
+    def _pack(
+        self, tensors: dict[str, torch.Tensor], group: Any
+    ) -> tuple[dict[str, torch.Tensor], dict[str, packing.PackedTensor]]:
+        """save()'s packing, on the writer thread (save_async's staging packed already): the
+        tensors to store and the pack layout, or the tensors as they are when the ranks' packs
+        would differ."""
+        assert self._pack_filter is not None
+        fingerprint: str | None = None
+        try:
+            packed, placed = packing.pack(tensors, self._pack_filter)
+            fingerprint = packing.fingerprint(placed)
+        except Exception:  # every rank must reach the agreement; this one stores unpacked
+            log.exception("packing small tensors failed; storing each on its own")
+            packed, placed = tensors, {}
+        if self._comm.distributed and not self._packs_agree(fingerprint, group):
+            return tensors, {}
+        return packed, placed
 
     def _commit_and_plan_retention(
         self,

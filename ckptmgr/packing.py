@@ -14,6 +14,7 @@ global value), so a packed step restores into a sharded model as well.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 
@@ -61,12 +62,43 @@ class PackedTensor:
         return f"PackedTensor(offset={self.offset}, dtype={self.dtype}, shape={self.shape})"
 
 
+PackFilter = Callable[[str], bool]
+"""Which stored names may go into the pack."""
+
+
+def any_name(name: str) -> bool:
+    """Every name may be packed: the filter for one process."""
+    return True
+
+
+def shared_name(name: str) -> bool:
+    """Names that are the same tensor on every rank, i.e. not rank-private (``%rank00003%/...``,
+    see :func:`ckptmgr.state.rank_private_name`): with several ranks only these are packed,
+    since every rank must build the same pack (DCP then writes it once, as any replicated
+    tensor)."""
+    return not name.startswith("%rank")
+
+
+def pack_filter(world_size: int) -> PackFilter:
+    """The names packed in a job of ``world_size`` ranks."""
+    return any_name if world_size == 1 else shared_name
+
+
+def fingerprint(placed: Mapping[str, PackedTensor]) -> str:
+    """A digest of a pack layout (names, order, dtypes, shapes), the same on every rank that
+    lays out the same pack (unlike ``hash()``, which differs between processes)."""
+    digest = hashlib.sha256()
+    for key, entry in placed.items():
+        digest.update(f"{key}\0{entry.dtype}\0{entry.shape}\n".encode())
+    return digest.hexdigest()
+
+
 def pack(
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor], may_pack: PackFilter = any_name
 ) -> tuple[dict[str, torch.Tensor], dict[str, PackedTensor]]:
     """(the tensors to store, with the small ones replaced by :data:`PACK_KEY`; where each
-    packed tensor lies). Nothing is packed when there are fewer than ``PACK_MIN_TENSORS``
-    candidates.
+    packed tensor lies). Only names ``may_pack`` accepts are packed; nothing is packed when
+    there are fewer than ``PACK_MIN_TENSORS`` candidates.
 
     The pack is one new tensor: the small tensors grouped by dtype, groups in decreasing item
     size (so every tensor's offset is a multiple of its item size, with no padding), each group
@@ -74,7 +106,9 @@ def pack(
     """
     if PACK_KEY in tensors:
         raise CheckpointError(f"{PACK_KEY!r} is a name reserved by ckptmgr; rename that state key")
-    placed = pack_layout(tensors, [key for key, t in tensors.items() if is_packable(t)])
+    placed = pack_layout(
+        tensors, [key for key, t in tensors.items() if may_pack(key) and is_packable(t)]
+    )
     if not placed:
         return dict(tensors), {}
     flats: list[torch.Tensor] = []

@@ -40,7 +40,14 @@ from dataclasses import dataclass
 import torch
 
 from ckptmgr.errors import CheckpointError
-from ckptmgr.packing import PACK_KEY, PackedTensor, is_packable, pack_layout
+from ckptmgr.packing import (
+    PACK_KEY,
+    PackedTensor,
+    PackFilter,
+    fingerprint,
+    is_packable,
+    pack_layout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +173,7 @@ class _Layout:
     # per shared unit: (unit index, the (key, storage offset, stride) of every view on it)
     share_groups: list[tuple[int, list[tuple[str, int, tuple[int, ...]]]]]
     on_cpu: bool  # every source is a CPU tensor: one host copy call
+    pack_fingerprint: str | None = None  # packing.fingerprint(packed), once asked for
 
 
 class StagingBuffers:
@@ -205,17 +213,29 @@ class StagingBuffers:
         self._out = {}
 
     @property
+    def pack_fingerprint(self) -> str:
+        """:func:`ckptmgr.packing.fingerprint` of the pack of the last :meth:`stage` (computed
+        once per layout)."""
+        layout = self._layout
+        if layout is None:
+            return fingerprint({})
+        if layout.pack_fingerprint is None:
+            layout.pack_fingerprint = fingerprint(layout.packed)
+        return layout.pack_fingerprint
+
+    @property
     def packed(self) -> dict[str, PackedTensor]:
         """Where each packed tensor of the last :meth:`stage` lies in its pack (the same dict
         object from save to save while the layout is unchanged)."""
         return self._layout.packed if self._layout is not None else {}
 
     def stage(
-        self, tensors: dict[str, torch.Tensor], *, pack: bool = False
+        self, tensors: dict[str, torch.Tensor], *, pack: PackFilter | None = None
     ) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` into the arena and return the copies, keyed like ``tensors``.
 
-        With ``pack``, small plain tensors (see :mod:`ckptmgr.packing`) are staged back to back
+        With ``pack``, small plain tensors whose names it accepts (see :mod:`ckptmgr.packing`;
+        :func:`~ckptmgr.packing.any_name` for all) are staged back to back
         at the start of the arena and returned as one ``uint8`` tensor under ``PACK_KEY``
         instead of one by one; :attr:`packed` says where each lies. The pack then costs no
         copy beyond the staging copy itself.
@@ -240,7 +260,11 @@ class StagingBuffers:
             sources = {key: _local(tensor).detach() for key, tensor in tensors.items()}
             signature = (_signature(sources), pack)
             if layout is None or layout.signature != signature:
-                pack_keys = [key for key, t in tensors.items() if is_packable(t)] if pack else []
+                pack_keys = (
+                    [key for key, t in tensors.items() if pack(key) and is_packable(t)]
+                    if pack is not None
+                    else []
+                )
                 self._relayout(signature, quick, sources, pack_keys)
             else:  # same layout (e.g. tensors became parameters): recognise them quickly next
                 layout.quick = quick

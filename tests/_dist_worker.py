@@ -250,6 +250,12 @@ def _disk_steps(directory: str) -> list[str]:
     )
 
 
+def _packed_names(directory: str, step: int) -> list[str]:
+    """The names in the pack of small tensors of ``step``, from its commit record."""
+    record = Path(directory) / f"step_{step:012d}" / "commit.json"
+    return sorted(json.loads(record.read_text())["packed"])
+
+
 def _restore_checks(manager: Any, steps: list[int], rank: int) -> list[dict[str, Any]]:
     """Restore each of ``steps`` into a fresh state; where each top-level key differs, if at all."""
     results = []
@@ -311,6 +317,7 @@ def scenario_train(rank: int, ckpt_dir: str) -> dict[str, Any]:
             # Rank 0 deletes in its own background job: look at the disk once every rank is here.
             dist.barrier()
             entry["disk"] = _disk_steps(ckpt_dir)
+            entry["packed"] = _packed_names(ckpt_dir, step)
         record["saves"].append(entry)
     record["repeat_save"] = _call(lambda: manager.save(50, state))[0]
     record["restores"] = _restore_checks(manager, KEPT_STEPS, rank)
@@ -456,6 +463,36 @@ def scenario_preempt(rank: int, ckpt_dir: str, out_dir: str) -> dict[str, Any]:
     return record
 
 
+def scenario_mismatch(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """Rank 1 holds one more small plain tensor than rank 0: the ranks' packs would differ, so
+    nothing is packed, and every save still restores bit-exact on both ranks."""
+    import torch
+
+    from ckptmgr import CheckpointManager
+
+    def state_at(step: int) -> dict[str, Any]:
+        state = {"w": torch.arange(10.0) + step, "b": torch.full((3,), float(step))}
+        if rank == 1:
+            state["extra"] = torch.full((4,), 7.0 + step)
+        return state
+
+    record: dict[str, Any] = {"packed": [], "differences": []}
+    with CheckpointManager(
+        ckpt_dir, 1, collective_timeout_s=COLLECTIVE_TIMEOUT_S, chkpt_on_preemption=False
+    ) as manager:
+        assert manager.save_async(1, state_at(1))
+        manager.join()
+        assert manager.save(2, state_at(2))
+        assert manager.save_async(3, state_at(3))
+        manager.join()
+        for step in (1, 2, 3):
+            record["packed"].append(_packed_names(ckpt_dir, step))
+            fresh = {key: torch.zeros_like(value) for key, value in state_at(step).items()}
+            manager.restore(step, fresh)
+            record["differences"].append(first_difference(fresh, state_at(step)))
+    return record
+
+
 def scenario_single(ckpt_dir: str) -> dict[str, Any]:
     """A plain single process (no torch.distributed) on the directory the 2-rank jobs wrote."""
     import torch.distributed as dist
@@ -511,6 +548,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_policies(rank, *paths))
         elif scenario == "preempt":
             record.update(scenario_preempt(rank, *paths, out_dir))
+        elif scenario == "mismatch":
+            record.update(scenario_mismatch(rank, *paths))
         elif scenario == "single":
             record.update(scenario_single(*paths))
         else:

@@ -36,6 +36,7 @@ from _dist_worker import (
     POLICY_SAVES,
     POLICY_STEPS,
     SAVE_PLAN,
+    make_model,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -245,6 +246,26 @@ def test_storage_holds_exactly_max_to_keep_step_dirs(train: Launch, dirs: dict[s
     )
 
 
+def test_replicated_small_tensors_are_packed_and_per_rank_ones_are_not(
+    train: Launch, dirs: dict[str, Path]
+) -> None:
+    """Both ranks lay out the same pack of the replicated model's tensors (all small), by sync
+    and async saves; per-rank tensors stay out of it. DCP writes the pack once."""
+    model_keys = sorted(f"model/{name}" for name in make_model(0).state_dict())
+    records = train.checked_records(NPROC)
+    for entry in records[0]["saves"]:
+        if entry["how"] != "async-nojoin":
+            assert entry["packed"] == model_keys, f"step {entry['step']} ({entry['how']})"
+    for step in KEPT_STEPS:
+        step_dir = dirs["ckpt"] / _step_dirs([step])[0]
+        record = json.loads((step_dir / "commit.json").read_text())
+        assert not [name for name in record["packed"] if name.startswith("%rank")]
+        data = sum(p.stat().st_size for p in step_dir.glob("*.distcp"))
+        model_bytes = sum(t.numel() * t.element_size() for t in make_model(0).state_dict().values())
+        per_rank_bytes = 6 * 8 * 8 + 5 * 8  # "local" (float64 6x8) and "local_counts" (int64 5)
+        assert data == model_bytes + NPROC * per_rank_bytes, f"step {step}"
+
+
 @pytest.mark.parametrize("job", ["train", "resume"])
 def test_restore_replicated_module_and_per_rank_plain_values(
     job: str, request: pytest.FixtureRequest
@@ -336,6 +357,16 @@ def test_saves_work_again_after_the_fault_is_gone(resume: Launch, dirs: dict[str
         assert fault["close_error"] is None, f"rank {rank}"
         assert fault["disk_final"] == _step_dirs([3]), f"rank {rank}"
     assert sorted(n for n in os.listdir(dirs["flaky"]) if n != "owner.json") == _step_dirs([3])
+
+
+def test_ranks_whose_small_tensors_differ_store_them_unpacked(dirs: dict[str, Path]) -> None:
+    """When one rank holds a small plain tensor the other lacks, the ranks' packs would differ:
+    sync and async saves then store every tensor on its own, and each restores bit-exact."""
+    launch = _torchrun("mismatch", dirs["out"], dirs["ckpt"].parent / "mismatch")
+    records = launch.checked_records(NPROC)
+    for rank, record in records.items():
+        assert record["packed"] == [[], [], []], f"rank {rank}"
+        assert record["differences"] == [None, None, None], f"rank {rank}"
 
 
 # -- 4. save and retention policies across ranks and runs ------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from ckptmgr import CheckpointManager
 from ckptmgr.errors import CheckpointError
-from ckptmgr.packing import PACK_KEY, PackedTensor
+from ckptmgr.packing import PACK_KEY, PackedTensor, any_name
 from ckptmgr.staging import (
     SHARED_MEMORY_DIR,
     StagingBuffers,
@@ -174,7 +174,7 @@ def _unpacked(staged: dict[str, torch.Tensor], placed: dict[str, PackedTensor]) 
 def test_packed_staging_puts_small_plain_tensors_back_to_back() -> None:
     state = _state()
     buffers = StagingBuffers()
-    staged = buffers.stage(state, pack=True)
+    staged = buffers.stage(state, pack=any_name)
     placed = buffers.packed
     # small tensors with a storage of their own are packed; views of a shared storage and
     # empty tensors are not
@@ -188,7 +188,7 @@ def test_packed_staging_puts_small_plain_tensors_back_to_back() -> None:
         assert where.offset % where.dtype.itemsize == 0
     _assert_exact(_unpacked(staged, placed), state)
     state["nan"].add_(1)
-    again = buffers.stage(state, pack=True)
+    again = buffers.stage(state, pack=any_name)
     assert buffers.packed is placed  # same layout object: nothing recomputed
     assert again[PACK_KEY].data_ptr() == pack.data_ptr()
     _assert_exact(_unpacked(again, placed), state)

@@ -760,3 +760,20 @@ def test_a_flipped_byte_in_a_data_file_is_corruption(tmp_path: Path, threads: in
         assert mgr.all_steps() == [1]
     assert_bit_equal(target, older_expected)
     assert (step_dir(tmp_path, 2) / "quarantined.json").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_pack_name_is_reserved(tmp_path: Path, mode: str) -> None:
+    """A state key equal to the pack's stored name is refused before anything is written (it
+    would otherwise be overwritten by the pack)."""
+    from ckptmgr.packing import PACK_KEY
+
+    state = {PACK_KEY: torch.ones(3), "a": torch.zeros(2), "b": torch.zeros(2)}
+    with manager(tmp_path) as mgr:
+        with pytest.raises(CheckpointError, match="reserved"):
+            getattr(mgr, mode)(1, state)
+        assert mgr.all_steps() == []
+        state["renamed"] = state.pop(PACK_KEY)
+        assert getattr(mgr, mode)(1, state)
+        mgr.join()
+        assert mgr.all_steps() == [1]
