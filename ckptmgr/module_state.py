@@ -19,7 +19,7 @@ left unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -184,7 +184,9 @@ class TrainingObjects:
     def __init__(self, state: Mapping[str, Any]) -> None:
         self._modules: dict[int, tuple[str, nn.Module]] = {}
         self._param_ids: dict[int, set[int]] = {}
-        for path, module in _modules_in(state, ""):
+        found: list[tuple[str, nn.Module]] = []
+        _collect_modules(state, "", found)
+        for path, module in found:
             self._modules.setdefault(id(module), (path, module))
 
     def adapt(self, value: Any) -> Any:
@@ -240,14 +242,37 @@ def _is_submodule(inner: nn.Module, outer: nn.Module) -> bool:
     return any(module is inner for module in outer.modules())
 
 
-def _modules_in(value: Any, path: str) -> Iterator[tuple[str, nn.Module]]:
-    if isinstance(value, nn.Module):
-        yield path, value
+# Exact types that neither are nor hold a module: the scan skips them (under a key of a type in
+# _SIMPLE_KEYS, whose path part is formatted without running user code).
+_NO_MODULES = frozenset({torch.Tensor, nn.Parameter, type(None), bool, int, float, str, bytes})
+_SIMPLE_KEYS = frozenset({str, int})
+
+
+def _collect_modules(value: Any, path: str, found: list[tuple[str, nn.Module]]) -> None:
+    """Append ``(path, module)`` for every module in ``value``, depth first in item order.
+
+    Looks through dicts (any ``Mapping``), lists, tuples and ``PerRank``; a module's path joins
+    the keys with ``/`` (unescaped: it only names the module in error messages).
+    """
+    kind = type(value)
+    items: Iterable[tuple[object, Any]]
+    if kind is dict:
+        items = value.items()
+    elif kind is list or kind is tuple:
+        items = enumerate(value)
+    elif isinstance(value, nn.Module):
+        found.append((path, value))
+        return
     elif isinstance(value, PerRank):
-        yield from _modules_in(value.value, path)
+        _collect_modules(value.value, path, found)
+        return
     elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _modules_in(item, f"{path}/{key}" if path else str(key))
+        items = value.items()
     elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _modules_in(item, f"{path}/{index}" if path else str(index))
+        items = enumerate(value)
+    else:
+        return
+    for key, item in items:
+        if type(item) in _NO_MODULES and type(key) in _SIMPLE_KEYS:
+            continue
+        _collect_modules(item, f"{path}/{key}" if path else str(key), found)

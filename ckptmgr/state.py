@@ -16,6 +16,7 @@ because ``%`` in keys is escaped.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -31,9 +32,20 @@ from ckptmgr.stateful import PerRank, is_stateful
 _PRIVATE = re.compile(r"%rank(\d{5,})%/(.*)", re.DOTALL)
 
 
+# Exact types (not subclasses) that the walks below handle without the general checks: a
+# tensor or parameter is a tensor leaf; a plain scalar is neither a module, an optimizer, a
+# ``PerRank`` nor stateful, so it is a plain leaf. Subclasses go through the general path.
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_SCALAR_TYPES = frozenset({type(None), bool, int, float, str, bytes})
+_CONTAINER_TYPES = frozenset({dict, list, tuple})
+
+
 def join_path(parent: str, key: object) -> str:
     """Append one key to a path, escaping ``%`` and ``/`` inside the key."""
-    part = str(key).replace("%", "%25").replace("/", "%2F")
+    if type(key) is str and "%" not in key and "/" not in key:
+        part = key  # nothing to escape (the common case)
+    else:
+        part = str(key).replace("%", "%25").replace("/", "%2F")
     return f"{parent}/{part}" if parent else part
 
 
@@ -71,30 +83,53 @@ class _Flattener:
         self.flat = FlatState()
 
     def visit(self, value: Any, path: str, private: bool) -> None:
-        if isinstance(value, torch.Tensor):
-            name = rank_private_name(path, self.rank) if private else path
-            self._claim(name)
-            self.flat.tensors[name] = value
+        """Add ``value`` at ``path``: as tensors, walked item by item, or as one plain value."""
+        kind = type(value)
+        if kind in _SCALAR_TYPES:  # not a module, an optimizer, a PerRank nor stateful
+            self._add_plain(value, path)
             return
-        if isinstance(value, PerRank):
-            self.visit(value.value, path, private=True)
+        if kind not in _CONTAINER_TYPES:  # exact dicts, lists and tuples fail all these checks
+            if isinstance(value, torch.Tensor):
+                self._add_tensor(value, path, private)
+                return
+            if isinstance(value, PerRank):
+                self.visit(value.value, path, private=True)
+                return
+            value = self.training.adapt(value)
+            if is_stateful(value):
+                value = value.state_dict()
+            if not isinstance(value, (dict, list, tuple)):
+                self._add_plain(value, path)
+                return
+        if not _needs_walk(value):
+            self._add_plain(value, path)
             return
-        value = self.training.adapt(value)
-        if is_stateful(value):
-            value = value.state_dict()
-        if isinstance(value, (dict, list, tuple)) and _needs_walk(value):
-            for key, item in _items(value):
-                self.visit(item, join_path(path, key), private)
-            return
-        self._claim(path)
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            item_path = join_path(path, key)
+            if type(item) in _TENSOR_TYPES:  # the most common item, without a call of visit()
+                self._add_tensor(item, item_path, private)
+            else:
+                self.visit(item, item_path, private)
+
+    def _add_tensor(self, tensor: torch.Tensor, path: str, private: bool) -> None:
+        """Store ``tensor`` under ``path`` (its rank-private name under ``PerRank``)."""
+        name = rank_private_name(path, self.rank) if private else path
+        if name in self.flat.tensors or name in self.flat.objects:
+            raise _collision(name)
+        self.flat.tensors[name] = tensor
+
+    def _add_plain(self, value: Any, path: str) -> None:
+        """Store ``value`` whole, JSON-encoded, at ``path``."""
+        if path in self.flat.tensors or path in self.flat.objects:
+            raise _collision(path)
         self.flat.objects[path] = objects.encode(value, path)
 
-    def _claim(self, path: str) -> None:
-        if path in self.flat.tensors or path in self.flat.objects:
-            raise CheckpointError(
-                f"two entries of the state map to the same path {path!r} "
-                "(keys like 3 and '3' in one dict)"
-            )
+
+def _collision(path: str) -> CheckpointError:
+    """The error for a second entry of the state at ``path``."""
+    return CheckpointError(
+        f"two entries of the state map to the same path {path!r} (keys like 3 and '3' in one dict)"
+    )
 
 
 def _items(container: dict | list | tuple) -> Iterable[tuple[object, Any]]:
@@ -104,10 +139,24 @@ def _items(container: dict | list | tuple) -> Iterable[tuple[object, Any]]:
 def _needs_walk(value: Any) -> bool:
     """True if ``value`` holds a tensor, a ``PerRank`` or an object with a state dict, so that
     its items need paths of their own (otherwise it is stored whole as one plain value)."""
-    if isinstance(value, (torch.Tensor, PerRank)) or is_stateful(value):
+    kind = type(value)
+    items: Iterable[Any]
+    if kind is dict:
+        items = value.values()
+    elif kind is list or kind is tuple:
+        items = value
+    elif isinstance(value, (torch.Tensor, PerRank)) or is_stateful(value):
         return True
-    if isinstance(value, (dict, list, tuple)):
+    elif isinstance(value, (dict, list, tuple)):
         return any(_needs_walk(item) for _, item in _items(value))
+    else:
+        return False
+    for item in items:  # any(_needs_walk(item) for item in items), the common leaves inlined
+        kind = type(item)
+        if kind in _SCALAR_TYPES:
+            continue
+        if kind in _TENSOR_TYPES or _needs_walk(item):
+            return True
     return False
 
 
@@ -225,23 +274,36 @@ class _RestorePlanner:
         self.training = training
         self.saved_tensors = saved_tensors
         self.saved_objects = saved_objects
-        self.tensor_paths = _ancestors(saved_tensors)
-        self.object_paths = _ancestors(saved_objects)
         self.rank = rank
         self.objects_rank = objects_rank
         self.plan = RestorePlan()
+
+    @functools.cached_property
+    def tensor_paths(self) -> set[str]:
+        """The stored tensor names and every path above one (computed when first needed)."""
+        return _ancestors(self.saved_tensors)
+
+    @functools.cached_property
+    def object_paths(self) -> set[str]:
+        """The stored plain values' paths and every path above one (computed when first needed)."""
+        return _ancestors(self.saved_objects)
 
     def stored_names(self, path: str, private: bool) -> list[str]:
         """The name ``path`` is stored under (a rank-private name under ``PerRank``)."""
         return [rank_private_name(path, self.rank) if private else path]
 
     def visit_child(self, container: Any, key: Any, path: str, private: bool) -> None:
+        """Plan the restore of ``container[key]``, whose path is ``path``."""
         value = container[key]
+        kind = type(value)
+        if kind in _TENSOR_TYPES:
+            self._plan_tensor(value, path, private)
+            return
+        if kind in _CONTAINER_TYPES or kind in _SCALAR_TYPES:  # fail all the checks below
+            self._visit_container_or_leaf(container, key, path, private)
+            return
         if isinstance(value, torch.Tensor):
-            (name,) = self.stored_names(path, private)
-            if name not in self.saved_tensors:
-                raise self._missing(path, private)
-            self.plan.tensors[name] = value
+            self._plan_tensor(value, path, private)
             return
         if isinstance(value, PerRank):
             self.visit_child(value.__dict__, "value", path, private=True)
@@ -255,29 +317,45 @@ class _RestorePlanner:
             else:
                 holder = {"state": owner.state_dict()}
             self._visit_container_or_leaf(holder, "state", path, private)
-            self.plan.finishers.append(lambda: owner.load_state_dict(holder["state"]))
+            self.plan.finishers.append(functools.partial(_load_state, owner, holder))
             return
         self._visit_container_or_leaf(container, key, path, private)
 
+    def _plan_tensor(self, tensor: torch.Tensor, path: str, private: bool) -> None:
+        """Load ``tensor`` from its stored name; raise if the checkpoint lacks it."""
+        name = rank_private_name(path, self.rank) if private else path
+        if name not in self.saved_tensors:
+            raise self._missing(path, private)
+        self.plan.tensors[name] = tensor
+
     def _visit_container_or_leaf(self, container: Any, key: Any, path: str, private: bool) -> None:
+        """Plan ``container[key]``, a value that is not a tensor, ``PerRank`` or stateful."""
         value = container[key]
         if isinstance(value, dict) and self._visit_positional_optimizer(value, path, private):
             return
-        if isinstance(value, (dict, list, tuple)) and _needs_walk(value):
-            if isinstance(value, tuple):
-                items = list(value)
-                for index in range(len(items)):
-                    self.visit_child(items, index, join_path(path, index), private)
-                self.plan.finishers.append(lambda: _set(container, key, tuple(items)))
-            else:
-                for child_key in list(_keys(value)):
-                    self.visit_child(value, child_key, join_path(path, child_key), private)
+        if not (isinstance(value, (dict, list, tuple)) and _needs_walk(value)):
+            self._visit_leaf(container, key, value, path, private)
             return
+        items = list(value) if isinstance(value, tuple) else value
+        # An exact dict or list runs no code when an item is read, so a tensor item is planned
+        # here without a call of visit_child (which reads it again); others are read once, there.
+        exact = type(items) is dict or type(items) is list
+        for child_key in list(_keys(items)):
+            child_path = join_path(path, child_key)
+            if exact and type(child := items[child_key]) in _TENSOR_TYPES:
+                self._plan_tensor(child, child_path, private)
+            else:
+                self.visit_child(items, child_key, child_path, private)
+        if isinstance(value, tuple):
+            self.plan.finishers.append(functools.partial(_set_tuple, container, key, items))
+
+    def _visit_leaf(self, container: Any, key: Any, value: Any, path: str, private: bool) -> None:
+        """Plan a plain value stored whole at ``path``, or raise why it cannot be restored."""
         if path in self.saved_objects:
             if private and self.objects_rank != self.rank:
                 raise self._missing(path, private)
             decoded = objects.decode(self.saved_objects[path])
-            self.plan.finishers.append(lambda: _set(container, key, decoded))
+            self.plan.finishers.append(functools.partial(_set, container, key, decoded))
             return
         (name,) = self.stored_names(path, private)
         if name in self.saved_tensors:
@@ -301,6 +379,8 @@ class _RestorePlanner:
         Position ``i`` of the target's parameter groups is the parameter named at position ``i``
         of the saved groups: both list the optimizer's parameters in its own order.
         """
+        if type(target) is dict and path and path not in self.object_paths:
+            return False  # no plain value at or below path: no saved param_groups (the usual case)
         saved = _Saved(self, path, private)
         saved_groups = saved.plain("param_groups")
         groups = target.get("param_groups")
@@ -335,7 +415,7 @@ class _RestorePlanner:
             {**saved_group, "params": list(group["params"])}
             for group, saved_group in zip(groups, saved_groups, strict=True)
         ]
-        self.plan.finishers.append(lambda: _set(target, "param_groups", restored))
+        self.plan.finishers.append(functools.partial(_set, target, "param_groups", restored))
         return True
 
     def _missing(self, path: str, private: bool) -> CheckpointError:
@@ -373,8 +453,18 @@ def _keys(container: dict | list) -> Iterable[Any]:
     return container.keys() if isinstance(container, dict) else range(len(container))
 
 
+# The finishers are partials of these rather than lambdas: a lambda makes its function put the
+# variables it uses in cells, a cost paid on every call of that function, not only by finishers.
 def _set(container: Any, key: Any, value: Any) -> None:
     container[key] = value
+
+
+def _set_tuple(container: Any, key: Any, items: list[Any]) -> None:
+    container[key] = tuple(items)
+
+
+def _load_state(owner: Any, holder: dict[str, Any]) -> None:
+    owner.load_state_dict(holder["state"])
 
 
 def optimizer_paths_needing_prime(
