@@ -13,8 +13,10 @@ Metrics per save: blocking time, time to commit, peak extra host memory (``VmHWM
 ``/proc/self/clear_refs`` before each operation; for ckptmgr the staging memory it keeps between
 saves is added), and for async saves the cost to a training loop running on the calling thread
 while the write runs in the background: ``slowdown`` (mean step time in the background window /
-step time just before) and ``lost`` seconds (window - steps done x baseline step). Two loops: a
-compute-bound one (matmuls on one intra-op thread) and a Python-bound one (many tiny ops).
+step time just before) and ``lost`` seconds (window - steps done x baseline step), summed over
+``--loop-saves`` saves in a row (ten times as many for workload c, whose write lasts only a few
+steps). Two loops: a compute-bound one (matmuls on one intra-op thread) and a Python-bound one
+(many tiny ops).
 
 Workloads: ``a`` = ``--size-mib`` MiB in ``--tensors`` float32 tensors; ``b`` = a ~100M-parameter
 MLP with AdamW state; ``c`` = ``--small`` tensors of 1 KiB in an optimizer-like nested dict.
@@ -193,6 +195,7 @@ class Bench:
         self.scratch = scratch
         self.device = device
         self.threads = threads
+        self.loop_saves = 1  # saves per record of a method with a loop
         pin = device == "cuda"
         self.targets = {
             k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in work.tensors.items()
@@ -315,11 +318,12 @@ class Bench:
     def dcp_async(self, loop: str | None = None) -> Record:
         path = self.fresh("dcp-async")
         return self._async(
-            lambda: dcp.async_save(self.work.tensors, checkpoint_id=path),
+            lambda: dcp.async_save(self.work.tensors, checkpoint_id=self.fresh("dcp-async")),
             lambda future: future.done(),
             lambda future: future.result(),
             loop,
             cleanup=lambda: shutil.rmtree(path, ignore_errors=True),
+            saves=1,  # its write lasts many steps of a loop already
         )
 
     # ckptmgr
@@ -335,14 +339,15 @@ class Bench:
 
     def ckpt_async(self, loop: str | None = None, process: bool = False) -> Record:
         manager = self._process_manager() if process else self.manager
-        self.step += 1
-        step = self.step
         held = manager._staging.nbytes  # internal: staging memory kept between saves
+
+        def start() -> int:
+            self.step += 1
+            manager.save_async(self.step, self.work.state)
+            return self.step
+
         record = self._async(
-            lambda: manager.save_async(step, self.work.state),
-            lambda _: step in manager.all_steps(),
-            lambda _: manager.join(),
-            loop,
+            start, lambda step: step in manager.all_steps(), lambda _: manager.join(), loop
         )
         record["extra_mem"] += held
         return record
@@ -385,7 +390,12 @@ class Bench:
         wait: Callable[[Any], Any],
         loop: str | None,
         cleanup: Callable[[], None] = lambda: None,
+        saves: int | None = None,
     ) -> Record:
+        """One async save (``start`` it, ``wait`` for it), or with ``loop`` ``saves`` (default
+        ``self.loop_saves``) saves one after the other, the loop running on this thread while
+        each is written (steps and windows summed over them: a background write of a small
+        state lasts only a few steps of the loop)."""
         record: Record = {}
         old_threads = torch.get_num_threads()
         base = 0.0
@@ -394,30 +404,44 @@ class Bench:
             base = self.loops[loop].baseline()
             torch.set_num_threads(old_threads)
         rss = reset_peak()
-        started = time.perf_counter()
-        handle = start()
-        record["blocking"] = time.perf_counter() - started
-        if loop:
-            torch.set_num_threads(1)
-            try:
-                steps, window = self.loops[loop].run_until(lambda: done(handle), 600)
-            finally:
-                torch.set_num_threads(old_threads)
-            wait(handle)
-            total = time.perf_counter() - started
-            record["slowdown"] = (window / steps) / base if steps else float("inf")
-            record["lost"] = total - steps * base
-            record["window"] = total
-        else:
+        if not loop:
+            started = time.perf_counter()
+            handle = start()
+            record["blocking"] = time.perf_counter() - started
             wait(handle)
             record["commit"] = time.perf_counter() - started
+        else:
+            blocking, steps, window, total = 0.0, 0, 0.0, 0.0
+            saves = saves or self.loop_saves
+            for _ in range(saves):
+                started = time.perf_counter()
+                handle = start()
+                blocking += time.perf_counter() - started
+                torch.set_num_threads(1)
+                try:
+                    done_steps, seconds = self.loops[loop].run_until(
+                        lambda handle=handle: done(handle), 600
+                    )
+                finally:
+                    torch.set_num_threads(old_threads)
+                wait(handle)
+                total += time.perf_counter() - started
+                steps += done_steps
+                window += seconds
+                cleanup()
+            record["blocking"] = blocking / saves
+            record["slowdown"] = (window / steps) / base if steps else float("inf")
+            record["lost"] = (total - steps * base) / saves
+            record["window"] = total / saves
         record["extra_mem"] = peak_rss() - rss
-        cleanup()
+        if not loop:
+            cleanup()
         return record
 
 
 def run_workload(work: Workload, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     bench = Bench(work, scratch, args.device, args.threads)
+    bench.loop_saves = args.loop_saves
     methods: list[tuple[str, Callable[[], Record]]] = [
         ("floor: memcpy", bench.memcpy),
         ("floor: raw write+fsync", bench.raw_write),
@@ -599,6 +623,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds after round 0")
     parser.add_argument("--small-repeats", type=int, default=2, help="rounds for workload c")
     parser.add_argument("--loops", default="compute,python", help="loops run during saves")
+    parser.add_argument(
+        "--loop-saves", type=int, default=1, help="saves per loop measurement (c: x10)"
+    )
     parser.add_argument("--skip", default="", help="comma-separated method names to leave out")
     parser.add_argument("--threads", type=int, default=1, help="num_of_threads for ckptmgr")
     parser.add_argument("--leak-saves", type=int, default=0, help="extra save_async (workload a)")
@@ -623,10 +650,14 @@ def main() -> None:
                 work = workload_a(args.size_mib, args.tensors, args.device)
             elif name == "b":
                 work = workload_b(args.device)
-            else:
+            loop_saves = args.loop_saves
+            if name not in ("a", "b"):
                 work = workload_c(args.small, args.device)
                 repeats = args.small_repeats
-            run_args = argparse.Namespace(**{**vars(args), "repeats": repeats})
+                loop_saves *= 10  # its background write lasts a few steps of a loop
+            run_args = argparse.Namespace(
+                **{**vars(args), "repeats": repeats, "loop_saves": loop_saves}
+            )
             if name != "a":
                 run_args.leak_saves = 0
             results.append(run_workload(work, run_args, scratch))
