@@ -359,19 +359,12 @@ class StagingBuffers:
             for key, source in sources.items()
             if source.numel() == 0
         }
-        share_groups = []
-        for unit, is_shared in enumerate(shared):
-            if is_shared:
-                members = [key for key, (u, _) in entries.items() if u == unit]
-                share_groups.append(
-                    (
-                        unit,
-                        [
-                            (key, sources[key].storage_offset(), tuple(sources[key].stride()))
-                            for key in members
-                        ],
-                    )
-                )
+        members: dict[int, list[tuple[str, int, tuple[int, ...]]]] = {}
+        for key, (unit, _) in entries.items():
+            if shared[unit]:
+                source = sources[key]
+                view = (key, source.storage_offset(), tuple(source.stride()))
+                members.setdefault(unit, []).append(view)
         plain = DTensor is None or not any(issubclass(kind, DTensor) for kind, *_ in quick[2])
         self._layout = _Layout(
             signature,
@@ -385,7 +378,7 @@ class StagingBuffers:
             pack_bytes,
             quick,
             plain,
-            share_groups,
+            list(members.items()),
             all(source.device.type == "cpu" for source in sources.values()),
         )
         self._unit_dst = unit_dst
