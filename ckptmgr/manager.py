@@ -437,10 +437,7 @@ class CheckpointManager:
         if not wanted:
             return None
         flat = flatten(state_dict, self._comm.rank)
-        if packing.PACK_KEY in flat.tensors:
-            raise CheckpointError(
-                f"{packing.PACK_KEY!r} is a name reserved by ckptmgr; rename that state key"
-            )
+        packing.check_names(flat.tensors)
         self._schedule.started(step, time.monotonic())
         with self._lock:
             self._in_flight.add(step)

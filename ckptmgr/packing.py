@@ -23,6 +23,7 @@ from torch._utils import _flatten_dense_tensors
 
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.record import CommitRecord, TensorEntry, TensorSection
+from ckptmgr.state import is_rank_private
 
 try:
     from torch.distributed.tensor import DTensor
@@ -76,7 +77,7 @@ def shared_name(name: str) -> bool:
     see :func:`ckptmgr.state.rank_private_name`): with several ranks only these are packed,
     since every rank must build the same pack (DCP then writes it once, as any replicated
     tensor)."""
-    return not name.startswith("%rank")
+    return not is_rank_private(name)
 
 
 def pack_filter(world_size: int) -> PackFilter:
@@ -93,6 +94,17 @@ def fingerprint(placed: Mapping[str, PackedTensor]) -> str:
     return digest.hexdigest()
 
 
+def check_names(names: Iterable[str]) -> None:
+    """Raise ``CheckpointError`` when a state uses the pack's reserved name."""
+    if PACK_KEY in names:
+        raise CheckpointError(f"{PACK_KEY!r} is a name reserved by ckptmgr; rename that state key")
+
+
+def candidates(tensors: Mapping[str, torch.Tensor], may_pack: PackFilter) -> list[str]:
+    """The names of ``tensors`` that go into the pack: accepted by ``may_pack`` and packable."""
+    return [key for key, tensor in tensors.items() if may_pack(key) and is_packable(tensor)]
+
+
 def pack(
     tensors: Mapping[str, torch.Tensor], may_pack: PackFilter = any_name
 ) -> tuple[dict[str, torch.Tensor], dict[str, PackedTensor]]:
@@ -104,11 +116,8 @@ def pack(
     size (so every tensor's offset is a multiple of its item size, with no padding), each group
     flattened in one call.
     """
-    if PACK_KEY in tensors:
-        raise CheckpointError(f"{PACK_KEY!r} is a name reserved by ckptmgr; rename that state key")
-    placed = pack_layout(
-        tensors, [key for key, t in tensors.items() if may_pack(key) and is_packable(t)]
-    )
+    check_names(tensors)
+    placed = pack_layout(tensors, candidates(tensors, may_pack))
     if not placed:
         return dict(tensors), {}
     flats: list[torch.Tensor] = []

@@ -44,8 +44,8 @@ from ckptmgr.packing import (
     PACK_KEY,
     PackedTensor,
     PackFilter,
+    candidates,
     fingerprint,
-    is_packable,
     pack_layout,
 )
 
@@ -260,11 +260,7 @@ class StagingBuffers:
             sources = {key: _local(tensor).detach() for key, tensor in tensors.items()}
             signature = (_signature(sources), pack)
             if layout is None or layout.signature != signature:
-                pack_keys = (
-                    [key for key, t in tensors.items() if pack(key) and is_packable(t)]
-                    if pack is not None
-                    else []
-                )
+                pack_keys = candidates(tensors, pack) if pack is not None else []
                 self._relayout(signature, quick, sources, pack_keys)
             else:  # same layout (e.g. tensors became parameters): recognise them quickly next
                 layout.quick = quick

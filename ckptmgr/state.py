@@ -62,6 +62,12 @@ def rank_private_name(path: str, rank: int) -> str:
     return f"%rank{rank:05d}%/{path}"
 
 
+def is_rank_private(name: str) -> bool:
+    """True for a stored name made by :func:`rank_private_name` (no user path looks like one,
+    since ``%`` in keys is escaped)."""
+    return _PRIVATE.fullmatch(name) is not None
+
+
 def flatten(state: Mapping[str, Any], rank: int = 0) -> FlatState:
     """Split ``state`` into tensors (by stored name) and encoded plain values (by path).
 
