@@ -30,6 +30,7 @@ from ckptmgr.integrity import expected_files, raise_problems
 from ckptmgr.lease import OwnerLease
 from ckptmgr.packing import PackedTensor
 from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNotice
+from ckptmgr.prefetch import Prefetch
 from ckptmgr.record import CommitRecord, FileEntry, TensorEntry, is_raw, utc_now
 from ckptmgr.retry import RetryConfig
 from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
@@ -722,6 +723,16 @@ class CheckpointManager:
             raise StepNotFoundError(step, known)
         if not isinstance(state_dict, MutableMapping):
             raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__qualname__}")
+        # The disk reads ahead while the record is parsed and the state matched against it.
+        prefetch = Prefetch(self._storage.step_path(step)) if self._storage.is_local else None
+        try:
+            self._restore(step, state_dict)
+        finally:
+            if prefetch is not None:
+                prefetch.join()
+
+    def _restore(self, step: int, state_dict: MutableMapping[str, Any]) -> None:
+        """The body of :meth:`restore`, for a committed ``step``."""
         group = self._comm.background_group if self._comm.distributed else None
         plan: RestorePlan | None = None
         plan_error: Exception | None = None
