@@ -19,6 +19,7 @@ left unchanged.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -182,12 +183,19 @@ class TrainingObjects:
     """
 
     def __init__(self, state: Mapping[str, Any]) -> None:
-        self._modules: dict[int, tuple[str, nn.Module]] = {}
+        self._state = state
         self._param_ids: dict[int, set[int]] = {}
+
+    @functools.cached_property
+    def _modules(self) -> dict[int, tuple[str, nn.Module]]:
+        """id -> (path, module) of every module in the state, found when an optimizer first
+        needs its module (a state without optimizers is never scanned)."""
+        modules: dict[int, tuple[str, nn.Module]] = {}
         found: list[tuple[str, nn.Module]] = []
-        _collect_modules(state, "", found)
+        _collect_modules(self._state, "", found)
         for path, module in found:
-            self._modules.setdefault(id(module), (path, module))
+            modules.setdefault(id(module), (path, module))
+        return modules
 
     def adapt(self, value: Any) -> Any:
         """A ``ModelState``/``OptimizerState`` for a module/optimizer; other values unchanged."""

@@ -207,8 +207,13 @@ def plan_restore(
     planner = _RestorePlanner(
         TrainingObjects(state), set(saved_tensors), saved_objects, rank, objects_rank
     )
+    exact = type(state) is dict  # reading an item runs no code: a tensor is planned at once
     for key in list(state):
-        planner.visit_child(state, key, join_path("", key), private=False)
+        path = join_path("", key)
+        if exact and type(value := state[key]) in _TENSOR_TYPES:
+            planner.plan_tensor(value, path, private=False)
+        else:
+            planner.visit_child(state, key, path, private=False)
     # Finishers were appended in post-order: inner containers first, owners' load_state_dict last.
     return planner.plan
 
@@ -303,13 +308,13 @@ class _RestorePlanner:
         value = container[key]
         kind = type(value)
         if kind in _TENSOR_TYPES:
-            self._plan_tensor(value, path, private)
+            self.plan_tensor(value, path, private)
             return
         if kind in _CONTAINER_TYPES or kind in _SCALAR_TYPES:  # fail all the checks below
             self._visit_container_or_leaf(container, key, path, private)
             return
         if isinstance(value, torch.Tensor):
-            self._plan_tensor(value, path, private)
+            self.plan_tensor(value, path, private)
             return
         if isinstance(value, PerRank):
             self.visit_child(value.__dict__, "value", path, private=True)
@@ -327,7 +332,7 @@ class _RestorePlanner:
             return
         self._visit_container_or_leaf(container, key, path, private)
 
-    def _plan_tensor(self, tensor: torch.Tensor, path: str, private: bool) -> None:
+    def plan_tensor(self, tensor: torch.Tensor, path: str, private: bool) -> None:
         """Load ``tensor`` from its stored name; raise if the checkpoint lacks it."""
         name = rank_private_name(path, self.rank) if private else path
         if name not in self.saved_tensors:
@@ -349,7 +354,7 @@ class _RestorePlanner:
         for child_key in list(_keys(items)):
             child_path = join_path(path, child_key)
             if exact and type(child := items[child_key]) in _TENSOR_TYPES:
-                self._plan_tensor(child, child_path, private)
+                self.plan_tensor(child, child_path, private)
             else:
                 self.visit_child(items, child_key, child_path, private)
         if isinstance(value, tuple):
