@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptmgr import dcp_io, packing, pruning, retention
+from ckptmgr import dcp_io, pack_load, packing, pruning, retention
 from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter
 from ckptmgr.collectives import Collectives
@@ -753,7 +753,7 @@ class CheckpointManager:
             plan = plan_restore(
                 state_dict, record.tensors, saved_objects, self._comm.rank, objects_rank
             )
-            to_load, unpack = packing.split_for_load(plan.tensors, packing.placed_in_record(record))
+            to_load, unpack = pack_load.split_for_load(plan.tensors, record)
         except Exception as exc:
             plan_error = exc
         # DCP's load is collective: every rank learns first whether any rank could not match its

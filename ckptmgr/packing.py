@@ -8,8 +8,7 @@ tensor, :data:`PACK_KEY`, one after another with no padding; the commit record g
 tensor's dtype and shape (``tensors``) and byte offset (``packed``).
 
 Restore loads the pack like any other tensor and copies every packed tensor out of it into its
-destination: a plain tensor, on any device, or a ``DTensor`` (its local shard is cut from the
-global value), so a packed step restores into a sharded model as well.
+destination (:mod:`ckptmgr.pack_load`).
 """
 
 from __future__ import annotations
@@ -149,55 +148,6 @@ def pack_layout(
     return placed
 
 
-def split_for_load(
-    destinations: Mapping[str, torch.Tensor], placed: Mapping[str, PackedTensor]
-) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
-    """(what to load from storage, a function to call after loading it).
-
-    Destinations of packed tensors are replaced by one buffer for the pack (when any is wanted);
-    the function then copies each packed tensor into its destination (converting the dtype as
-    DCP does for tensors stored on their own). A destination whose shape differs from the
-    stored one raises ``CheckpointError`` now, before anything is read.
-    """
-    wanted = {key: dest for key, dest in destinations.items() if key in placed}
-    if not wanted:
-        return dict(destinations), lambda: None
-    for key, dest in wanted.items():
-        stored = placed[key].shape
-        if dest.shape != stored:  # torch.Size is a tuple
-            raise CheckpointError(
-                f"{key!r}: the checkpoint holds shape {list(stored)}, the state to restore "
-                f"has {list(dest.shape)}"
-            )
-    size = max(entry.offset + entry.nbytes for entry in placed.values())
-    buffer = torch.empty(size, dtype=torch.uint8)
-    to_load = {key: dest for key, dest in destinations.items() if key not in placed}
-    to_load[PACK_KEY] = buffer
-
-    def unpack() -> None:
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for dtype, run in _runs(wanted, placed):
-            entries = [placed[key] for key in run]
-            end = entries[-1].offset + entries[-1].nbytes
-            flat = buffer[entries[0].offset : end].view(dtype)
-            pieces = flat.split([entry.nbytes // dtype.itemsize for entry in entries])
-            for key, entry, piece in zip(run, entries, pieces, strict=True):
-                value = piece if len(entry.shape) == 1 else piece.view(entry.shape)
-                dest = wanted[key]
-                if DTensor is not None and isinstance(dest, DTensor):
-                    with torch.no_grad():
-                        dest.to_local().copy_(_local_part(value, dest))
-                else:
-                    dsts.append(dest)
-                    srcs.append(value)
-        if dsts:
-            with torch.no_grad():  # destinations may be parameters
-                torch._foreach_copy_(dsts, srcs)
-
-    return to_load, unpack
-
-
 def unpacked(
     pack_buffer: torch.Tensor, placed: Mapping[str, PackedTensor]
 ) -> dict[str, torch.Tensor]:
@@ -242,18 +192,6 @@ def _view(buffer: torch.Tensor, entry: PackedTensor) -> torch.Tensor:
     if entry.offset % entry.dtype.itemsize:
         piece = piece.clone()
     return piece.view(entry.dtype).view(entry.shape)
-
-
-def _local_part(value: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-    """The part of the global ``value`` that the DTensor ``dest`` holds on this rank."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offsets = compute_local_shape_and_global_offset(
-        dest.shape, dest.device_mesh, dest.placements
-    )
-    for dim, (start, length) in enumerate(zip(offsets, shape, strict=True)):
-        value = value.narrow(dim, start, length)
-    return value
 
 
 def placed_in_record(record: CommitRecord) -> dict[str, PackedTensor]:

@@ -16,6 +16,7 @@ from pydantic import (
     TypeAdapter,
     field_validator,
     model_serializer,
+    model_validator,
 )
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
@@ -137,6 +138,13 @@ class CommitRecord(BaseModel):
     @classmethod
     def _object_files_inside_step(cls, value: list[str]) -> list[str]:
         return [_safe_path(name) for name in value]
+
+    @model_validator(mode="after")
+    def _packed_tensors_are_described(self) -> CommitRecord:
+        if not self.packed.keys() <= self.tensors.keys():
+            missing = next(iter(self.packed.keys() - self.tensors.keys()))
+            raise ValueError(f"packed tensor {missing!r} has no entry in tensors")
+        return self
 
     def use_section(self, section: TensorSection) -> None:
         """Take ``tensors`` and ``packed`` from ``section`` (already validated: entries made by

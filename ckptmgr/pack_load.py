@@ -1,0 +1,188 @@
+"""Restoring packed tensors (see :mod:`ckptmgr.packing`): match, check, and copy out of the pack.
+
+With thousands of small tensors, restore's cost is per tensor, so this module does one pass over
+the destinations that matches each against the record (its offset, dtype and shape) and one
+``torch.split_with_sizes_copy`` per run of back-to-back tensors of one dtype, which copies the
+pack's pieces straight into the destinations without making a view of each piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError
+from ckptmgr.packing import PACK_KEY
+from ckptmgr.record import CommitRecord, TensorEntry
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = None  # type: ignore[assignment,misc]
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""Destination types copied into directly (anything else, a ``DTensor`` say, gets a copy)."""
+
+
+class _Run:
+    """Tensors back to back in the pack, of one dtype: copied out in one call."""
+
+    __slots__ = ("dtype", "end", "outs", "sizes", "start")
+
+    def __init__(self, start: int, dtype: torch.dtype) -> None:
+        self.start = start
+        self.end = start
+        self.dtype = dtype
+        self.outs: list[torch.Tensor] = []
+        self.sizes: list[int] = []
+
+
+_Later = tuple[torch.Tensor, torch.Tensor, list[int]]
+"""(destination, piece, stored shape) of a destination that is not copied into directly."""
+
+
+def _nothing() -> None:
+    return None
+
+
+def split_for_load(
+    destinations: Mapping[str, torch.Tensor], record: CommitRecord
+) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """(what to load from storage, a function to call after loading it).
+
+    Destinations of tensors in the record's pack are replaced by one buffer for the pack (when
+    any is wanted); the function then copies each packed tensor into its destination (a plain
+    tensor on any device, converting the dtype as DCP does for tensors stored on their own, or a
+    ``DTensor``, which gets its local part). A destination whose shape differs from the stored
+    one raises ``CheckpointError`` now, before anything is read or written; a record that packs
+    a tensor it does not describe, or outside the pack, raises ``CorruptCheckpointError``.
+    """
+    packed = record.packed
+    if not packed:
+        return dict(destinations), _nothing
+    to_load: dict[str, torch.Tensor] = {}
+    runs: list[_Run] = []
+    later: list[_Later] = []
+    tensors = record.tensors
+    dtypes: dict[str, torch.dtype] = {}
+    run = _Run(-1, torch.uint8)
+    wanted_bytes = wanted_count = 0
+    for key, dest in destinations.items():
+        offset = packed.get(key)
+        if offset is None:
+            to_load[key] = dest
+            continue
+        entry = tensors.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(f"the record packs {key!r} but does not describe it")
+        dtype = dtypes.get(entry.dtype) or dtypes.setdefault(entry.dtype, _dtype(key, entry))
+        shape = entry.shape
+        if dest.shape != tuple(shape):  # torch.Size is a tuple
+            raise CheckpointError(
+                f"{key!r}: the checkpoint holds shape {list(shape)}, the state to restore "
+                f"has {list(dest.shape)}"
+            )
+        numel = dest.numel()
+        if offset != run.end or dtype is not run.dtype:
+            run = _Run(offset, dtype)
+            runs.append(run)
+        if type(dest) in _PLAIN_TENSOR_TYPES and dest.dtype is dtype and dest.is_cpu:
+            if len(shape) == 1:
+                out = dest
+            elif dest.is_contiguous():
+                out = dest.view(-1)
+            else:
+                out = _later(dest, dtype, shape, numel, later)
+        else:
+            out = _later(dest, dtype, shape, numel, later)
+        run.outs.append(out)
+        run.sizes.append(numel)
+        nbytes = numel * dtype.itemsize
+        run.end = offset + nbytes
+        wanted_bytes += nbytes
+        wanted_count += 1
+    if not runs:
+        return to_load, _nothing
+    size = _check_layout(record, runs, wanted_bytes, wanted_count, dtypes)
+    buffer = torch.empty(size, dtype=torch.uint8)
+    to_load[PACK_KEY] = buffer
+    return to_load, lambda: _unpack(buffer, runs, later)
+
+
+def _later(
+    dest: torch.Tensor, dtype: torch.dtype, shape: list[int], numel: int, later: list[_Later]
+) -> torch.Tensor:
+    """A new piece to copy the pack's bytes into, copied on to ``dest`` after the runs."""
+    piece = torch.empty(numel, dtype=dtype)
+    later.append((dest, piece, shape))
+    return piece
+
+
+def _dtype(key: str, entry: TensorEntry) -> torch.dtype:
+    dtype = getattr(torch, entry.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"{key!r} has the unknown dtype {entry.dtype!r}")
+    return dtype
+
+
+def _check_layout(
+    record: CommitRecord,
+    runs: list[_Run],
+    wanted_bytes: int,
+    wanted_count: int,
+    dtypes: dict[str, torch.dtype],
+) -> int:
+    """The size of the stored pack: its tensors back to back, with no gaps. Raises
+    ``CorruptCheckpointError`` when a wanted tensor lies outside it (a damaged record)."""
+    packed = record.packed
+    if wanted_count == len(packed):  # the usual case: every packed tensor is restored
+        size = wanted_bytes
+        ends_at_size = max(run.end for run in runs) == size
+    else:
+        size = 0
+        for key, entry in record.tensors.items():
+            if key in packed:
+                dtype = dtypes.get(entry.dtype) or dtypes.setdefault(
+                    entry.dtype, _dtype(key, entry)
+                )
+                numel = 1
+                for length in entry.shape:
+                    numel *= length
+                size += numel * dtype.itemsize
+        ends_at_size = True
+    if not ends_at_size or min(run.start for run in runs) < 0:
+        raise CorruptCheckpointError("the record places packed tensors outside the pack")
+    for run in runs:
+        if run.end > size:
+            raise CorruptCheckpointError(
+                f"the record places a packed tensor outside the pack (offset {run.start})"
+            )
+    return size
+
+
+def _unpack(buffer: torch.Tensor, runs: list[_Run], later: list[_Later]) -> None:
+    """Copy every wanted tensor out of the loaded pack ``buffer``: one call per run, then the
+    pieces that could not be copied into their destinations directly."""
+    with torch.no_grad():  # destinations may be parameters
+        for run in runs:
+            flat = buffer[run.start : run.end].view(run.dtype)
+            torch.split_with_sizes_copy(flat, run.sizes, 0, out=run.outs)
+        for dest, piece, shape in later:
+            value = piece.view(shape)
+            if DTensor is not None and isinstance(dest, DTensor):
+                dest.to_local().copy_(_local_part(value, dest))
+            else:
+                dest.copy_(value)
+
+
+def _local_part(value: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """The part of the global ``value`` that the DTensor ``dest`` holds on this rank."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(
+        dest.shape, dest.device_mesh, dest.placements
+    )
+    for dim, (start, length) in enumerate(zip(offsets, shape, strict=True)):
+        value = value.narrow(dim, start, length)
+    return value

@@ -1,0 +1,145 @@
+"""Restoring packed small tensors into destinations of every kind (ckptmgr.pack_load): straight
+into plain CPU tensors of the stored dtype, through a copy into anything else, and refusing a
+record that describes the pack wrongly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ckptmgr import CheckpointError, CheckpointManager, CorruptCheckpointError
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64]
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if dtype is torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(0, 100, shape, generator=gen).to(dtype)
+
+
+def _saved_state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    state: dict[str, torch.Tensor] = {}
+    for dtype in DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        state[f"{name}/vector"] = _random(dtype, (7,), gen)
+        state[f"{name}/scalar"] = _random(dtype, (), gen)
+        state[f"{name}/matrix"] = _random(dtype, (3, 5), gen)
+        state[f"{name}/cube"] = _random(dtype, (2, 3, 4), gen)
+    return state
+
+
+def _bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    if actual.dtype.is_floating_point or actual.dtype.is_complex:
+        actual, expected = actual.reshape(-1), expected.reshape(-1)  # views need >= 1 dim
+        return actual.dtype == expected.dtype and bool(
+            torch.equal(actual.view(torch.uint8), expected.view(torch.uint8))
+        )
+    return actual.dtype == expected.dtype and torch.equal(actual, expected)
+
+
+def _destinations(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Zeroed destinations in every layout the direct copy has to handle or avoid: contiguous,
+    non-contiguous 1-d and n-d, views of one shared buffer, parameters that require grad; in the
+    reverse of the saved order, so the runs of the pack are cut into pieces."""
+    out: dict[str, torch.Tensor] = {}
+    for index, (key, value) in enumerate(reversed(list(saved.items()))):
+        kind = index % 4
+        if kind == 0 or value.dim() == 0:
+            out[key] = torch.zeros_like(value)
+        elif kind == 1:  # non-contiguous: every other element of a bigger buffer
+            buffer = torch.zeros(value.numel() * 2, dtype=value.dtype)
+            out[key] = buffer[::2].view(value.shape) if value.dim() == 1 else buffer[::2]
+            if value.dim() > 1:
+                out[key] = torch.zeros(tuple(reversed(value.shape)), dtype=value.dtype).t()
+        elif kind == 2:  # two destinations that are views of one storage
+            buffer = torch.zeros(value.numel() * 2 + 3, dtype=value.dtype)
+            out[key] = buffer[3 : 3 + value.numel()].view(value.shape)
+            out[key + "#"] = buffer[3 + value.numel() :].view(value.shape)
+        else:
+            tensor = torch.zeros_like(value)
+            grad_ok = value.dtype.is_floating_point or value.dtype.is_complex
+            out[key] = nn.Parameter(tensor, requires_grad=grad_ok)
+    return out
+
+
+def test_every_destination_layout_gets_the_exact_bits(tmp_path: Path) -> None:
+    saved = _saved_state()
+    for key in [k for k in saved if k.endswith(("/matrix", "/cube"))]:
+        saved[key + "#"] = saved[key].flip(0).contiguous()  # the partner view's own value
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+        target = {key: value for key, value in _destinations(saved).items() if key in saved}
+        assert any(not value.is_contiguous() for value in target.values())
+        assert any(isinstance(value, nn.Parameter) for value in target.values())
+        manager.restore(1, target)
+    for key, value in target.items():
+        assert _bits_equal(value.detach(), saved[key]), key
+
+
+def test_destinations_on_another_dtype_and_a_subset_in_any_order(tmp_path: Path) -> None:
+    saved = _saved_state()
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+        keys = [key for key in saved if key.startswith(("float32", "int64"))][::-1]
+        target = {key: torch.zeros(saved[key].shape, dtype=torch.float64) for key in keys}
+        manager.restore(1, target)
+    for key in keys:
+        assert torch.equal(target[key], saved[key].to(torch.float64)), key
+
+
+def _edit_record(root: Path, edit: callable) -> None:  # type: ignore[valid-type]
+    (record_path,) = root.rglob("commit.json")
+    record = json.loads(record_path.read_text())
+    edit(record)
+    record_path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["undescribed", "outside", "negative", "unknown_dtype"],
+)
+def test_a_record_that_describes_the_pack_wrongly_is_corruption(
+    tmp_path: Path, damage: str
+) -> None:
+    saved = {f"t{i}": torch.rand(8) for i in range(20)}
+
+    def edit(record: dict) -> None:
+        packed = record["packed"]
+        assert len(packed) == 20
+        if damage == "undescribed":
+            del record["tensors"]["t5"]
+        elif damage == "outside":
+            packed["t5"] = 10_000
+        elif damage == "negative":
+            packed["t5"] = -32
+        else:
+            record["tensors"]["t5"]["dtype"] = "no_such_dtype"
+
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+        _edit_record(tmp_path, edit)
+        target = {key: torch.zeros(8) for key in saved}
+        with pytest.raises(CorruptCheckpointError):
+            manager.restore(1, target)
+    assert all(torch.count_nonzero(value) == 0 for value in target.values())
+
+
+def test_a_shape_mismatch_late_in_the_state_leaves_every_destination_untouched(
+    tmp_path: Path,
+) -> None:
+    saved = {f"t{i:02d}": torch.rand(8) for i in range(40)}
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+        target = {key: torch.zeros(8) for key in saved}
+        target["t39"] = torch.zeros(9)
+        with pytest.raises(CheckpointError, match="t39"):
+            manager.restore(1, target)
+    assert all(torch.count_nonzero(value) == 0 for value in target.values())
