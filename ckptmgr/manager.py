@@ -932,8 +932,8 @@ def _tensor_entries(dcp_metadata: Any) -> dict[str, TensorEntry]:
         properties = getattr(item, "properties", None)
         if properties is None:
             continue
-        entries[key] = TensorEntry(
-            dtype=str(properties.dtype).removeprefix("torch."), shape=list(item.size)
+        entries[key] = TensorEntry.trusted(
+            str(properties.dtype).removeprefix("torch."), list(item.size)
         )
     return entries
 

@@ -53,7 +53,7 @@ class PackedTensor:
     def entry(self) -> TensorEntry:
         """Its record entry (built on first use, then kept: staging keeps the layout)."""
         if self._entry is None:
-            self._entry = TensorEntry(dtype=_dtype_name(self.dtype), shape=list(self.shape))
+            self._entry = TensorEntry.trusted(_dtype_name(self.dtype), list(self.shape))
         return self._entry
 
     def __repr__(self) -> str:

@@ -80,6 +80,15 @@ class TensorEntry:
     dtype: str
     shape: list[int]
 
+    @classmethod
+    def trusted(cls, dtype: str, shape: list[int]) -> TensorEntry:
+        """An entry made from values ckptmgr itself produced, without validation (which costs
+        about 7 µs per entry: 140 ms for the 20,000 entries of a state of small tensors)."""
+        entry = object.__new__(cls)
+        object.__setattr__(entry, "dtype", dtype)
+        object.__setattr__(entry, "shape", shape)
+        return entry
+
 
 _TENSORS_JSON = TypeAdapter(dict[str, TensorEntry])
 _PACKED_JSON = TypeAdapter(dict[str, int])

@@ -308,6 +308,26 @@ def test_record_section_is_serialised_once_and_follows_later_changes() -> None:
     assert written["packed"] == {}
 
 
+def test_trusted_entries_equal_validated_ones_and_serialise_alike() -> None:
+    from ckptmgr.record import _TENSORS_JSON, TensorEntry
+
+    trusted = {"a": TensorEntry.trusted("bfloat16", [4, 1]), "b": TensorEntry.trusted("int8", [])}
+    validated = {"a": TensorEntry(dtype="bfloat16", shape=[4, 1]), "b": TensorEntry("int8", [])}
+    assert trusted == validated
+    assert _TENSORS_JSON.dump_json(trusted) == _TENSORS_JSON.dump_json(validated)
+    assert _TENSORS_JSON.validate_json(_TENSORS_JSON.dump_json(trusted)) == validated
+
+
+def test_a_record_that_packs_an_undescribed_tensor_does_not_validate() -> None:
+    from ckptmgr.record import utc_now
+
+    record = CommitRecord(step=1, save_id="s", committed_at=utc_now(), world_size=1)
+    data = json.loads(record.to_json())
+    data["packed"] = {"ghost": 0}
+    with pytest.raises(ValueError, match="ghost"):
+        CommitRecord.from_json(json.dumps(data))
+
+
 def test_saves_of_one_layout_share_a_record_section_and_a_new_layout_gets_its_own(
     tmp_path: Path,
 ) -> None:
