@@ -588,7 +588,9 @@ class CheckpointManager:
             described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
             return _SaveOutcome(committed=False, error=described, deleted=[]), None
         try:
-            section = self._record_sections.section(_tensor_entries(dcp_metadata), request.packed)
+            with gc_paused():  # the first save of a layout makes an entry per packed tensor
+                entries = _tensor_entries(dcp_metadata)
+                section = self._record_sections.section(entries, request.packed)
             record = CommitRecord(
                 step=request.step,
                 save_id=save_id,
