@@ -12,6 +12,8 @@ SIGTERM then). Exits 4 if no preemption checkpoint was taken within MAX_STEPS.
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 import time
 
@@ -66,4 +68,5 @@ def main(root: str, mode: str) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks on a hang
     sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -101,6 +101,23 @@ def run_child(ckpt_dir: Path, tmp_path: Path) -> Iterator[Callable[[str], Starte
             proc.stdout.close()
 
 
+def wait_for_exit(proc: subprocess.Popen[str], stderr_path: Path) -> int:
+    """The child's exit status; if it does not exit within EXIT_TIMEOUT_S, fail with the stacks
+    of all its threads (the child dumps them to stderr on SIGUSR1)."""
+    try:
+        return proc.wait(timeout=EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGUSR1)
+        try:
+            proc.wait(timeout=5)  # no exit is expected: this only gives the dump time
+        except subprocess.TimeoutExpired:
+            pass
+        stderr = stderr_path.read_text()
+        raise AssertionError(
+            f"the child did not exit within {EXIT_TIMEOUT_S} s; its stderr:\n{stderr[-8000:]}"
+        ) from None
+
+
 def committed_steps(ckpt_dir: Path) -> list[int]:
     with CheckpointManager(ckpt_dir, save_interval=1000, chkpt_on_preemption=False) as mgr:
         return mgr.all_steps()
@@ -112,7 +129,7 @@ def test_without_the_guard_the_workers_die_and_take_the_main_process_down(
     proc, lines, stderr_path = run_child("plain")
     lines.wait_for(f"step={SIGNAL_AFTER_STEP}")
     os.killpg(proc.pid, signal.SIGTERM)
-    returncode = proc.wait(timeout=EXIT_TIMEOUT_S)
+    returncode = wait_for_exit(proc, stderr_path)
     output = lines.rest()
     stderr = stderr_path.read_text()
     assert returncode != 0, output
@@ -127,7 +144,7 @@ def test_with_the_guard_the_main_process_checkpoints_and_exits_cleanly(
     proc, lines, stderr_path = run_child("guard")
     lines.wait_for(f"step={SIGNAL_AFTER_STEP}")
     os.killpg(proc.pid, signal.SIGTERM)
-    returncode = proc.wait(timeout=EXIT_TIMEOUT_S)  # exit also stops the workers (no hang)
+    returncode = wait_for_exit(proc, stderr_path)  # exit also stops the workers (no hang)
     output = lines.rest()
     stderr = stderr_path.read_text()
     assert returncode == 0, f"{output[-5:]}\n{stderr[-3000:]}"
