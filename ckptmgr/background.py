@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -12,15 +14,89 @@ from ckptmgr.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
+_IDLE_POLL_S = 0.2
+"""How often an idle worker checks whether the interpreter is shutting down."""
+
+_Job = tuple[concurrent.futures.Future[Any], Callable[[], None]]
+
+
+class _Worker:
+    """The thread that runs jobs one at a time, in the order they were queued.
+
+    Written for the exceptions that a signal handler raises at any point of the training thread
+    (``KeyboardInterrupt``, or PyTorch's DataLoader error when a worker process is killed): an
+    exception between queueing a job and starting the thread must neither strand the job nor
+    leave a thread that keeps the interpreter from exiting. ``ThreadPoolExecutor`` fails the
+    second way when it is interrupted inside ``Thread.start()``: the thread is never registered
+    for its wake-up at exit, and the interpreter waits for it forever. So this thread is started
+    by every call that finds none alive, serves under a lock (at most one serves at a time, even
+    if an interrupted start left two), finishes every queued job, and ends when asked or when it
+    is idle after the main thread has finished (interpreter exit waits for queued saves, as for
+    any non-daemon thread, and no longer).
+    """
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._serving = threading.Lock()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def put(self, job: _Job) -> None:
+        """Queue ``job`` and make sure a thread will run it."""
+        self.jobs.put(job)
+        self.ensure_running()
+
+    def ensure_running(self) -> None:
+        """Start a thread unless one is alive (and cancel a :meth:`stop`)."""
+        with self._lock:
+            self._stopping = False  # a job queued after stop() is run too
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._thread = threading.Thread(target=self._serve, name="ckptmgr-writer")
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Let the thread end once the queued jobs are done (returns at once)."""
+        self._stopping = True
+        self.jobs.put(None)  # wakes an idle thread
+
+    def join(self) -> None:
+        """Wait until the thread has ended (after :meth:`stop`)."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _serve(self) -> None:
+        with self._serving:
+            while True:
+                try:
+                    job = self.jobs.get(timeout=_IDLE_POLL_S)
+                except queue.Empty:
+                    job = None
+                if job is None:  # idle, or woken by stop()
+                    with self._lock:  # ensure_running() sees either this thread or none
+                        ending = self._stopping or not threading.main_thread().is_alive()
+                        if ending and self.jobs.empty():
+                            if self._thread is threading.current_thread():
+                                self._thread = None
+                            return
+                    continue
+                future, run = job
+                if future.set_running_or_notify_cancel():
+                    run()
+
 
 class BackgroundWriter:
     """Runs submitted jobs on one worker thread; failures are raised later, exactly once."""
 
     def __init__(self) -> None:
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._worker = _Worker()
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._errors: list[CheckpointError] = []
         self._lock = threading.Lock()
+        # A writer dropped without shutdown() (a manager never closed) lets its thread end.
+        weakref.finalize(self, self._worker.stop).atexit = False
 
     def submit(
         self,
@@ -37,14 +113,20 @@ class BackgroundWriter:
         after the job and after its failure is stored, so whoever waits on what ``cleanup``
         frees sees the failure.
         """
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="ckptmgr-writer"
-            )
-        future = self._executor.submit(self._run, description, job, keep_error, cleanup)
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                self._run(description, job, keep_error, cleanup)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(future)
+        self._worker.put((future, run))
         return future
 
     def _run(
@@ -76,6 +158,8 @@ class BackgroundWriter:
 
     def wait(self) -> None:
         """Wait for every submitted job."""
+        if not self._worker.jobs.empty():  # an interrupted submit() may have queued a job only
+            self._worker.ensure_running()
         with self._lock:
             pending = list(self._pending)
         concurrent.futures.wait(pending)
@@ -97,9 +181,8 @@ class BackgroundWriter:
     def shutdown(self) -> None:
         """Wait for the jobs and stop the worker thread."""
         self.wait()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._worker.stop()
+        self._worker.join()
 
 
 def _short(exc: BaseException) -> str:
