@@ -78,7 +78,10 @@ def flatten(state: Mapping[str, Any], rank: int = 0) -> FlatState:
         raise CheckpointError(f"state_dict must be a dict, got {type(state).__qualname__}")
     flattener = _Flattener(TrainingObjects(state), rank)
     for key, value in state.items():
-        flattener.visit(value, join_path("", key), private=False)
+        if type(value) in _TENSOR_TYPES:  # the most common item, without a call of visit()
+            flattener._add_tensor(value, join_path("", key), private=False)
+        else:
+            flattener.visit(value, join_path("", key), private=False)
     return flattener.flat
 
 
