@@ -123,10 +123,12 @@ class BackgroundWriter:
             else:
                 future.set_result(None)
 
+        # Queued first: if an exception interrupts this call in between, the save still runs
+        # (a future listed but never queued would make wait() hang).
+        self._worker.put((future, run))
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(future)
-        self._worker.put((future, run))
         return future
 
     def _run(
