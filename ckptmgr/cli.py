@@ -50,6 +50,7 @@ from ckptmgr.retention import (
     RetentionPolicy,
     combine,
 )
+from ckptmgr.state import split_rank_private
 from ckptmgr.storage import (
     DELETING_PREFIX,
     TMP_PREFIX,
@@ -72,7 +73,6 @@ EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,
     ImportError,
 )
-RANK_PRIVATE_NAME = re.compile(r"^%rank(?P<rank>\d{5,})%/(?P<path>.+)$")
 ESCAPED_KEY_CHAR = re.compile(r"%2F|%25")
 LEFTOVER_KINDS = {
     TMP_PREFIX: "interrupted_save",
@@ -951,11 +951,12 @@ def tensors_for_rank(names: Iterable[str], rank: int) -> dict[str, str]:
     chosen: dict[str, str] = {}
     private: dict[str, dict[int, str]] = {}
     for name in names:
-        match = RANK_PRIVATE_NAME.match(name)
-        if match is None:
+        private_name = split_rank_private(name)
+        if private_name is None:
             chosen[name] = name
         else:
-            private.setdefault(match["path"], {})[int(match["rank"])] = name
+            rank_of_copy, path = private_name
+            private.setdefault(path, {})[rank_of_copy] = name
     for path, by_rank in private.items():
         name = by_rank.get(rank, by_rank.get(0))
         if name is not None:

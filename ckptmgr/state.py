@@ -68,6 +68,12 @@ def is_rank_private(name: str) -> bool:
     return _PRIVATE.fullmatch(name) is not None
 
 
+def split_rank_private(name: str) -> tuple[int, str] | None:
+    """(rank, path) of a stored name made by :func:`rank_private_name`; None for any other."""
+    match = _PRIVATE.fullmatch(name)
+    return None if match is None else (int(match.group(1)), match.group(2))
+
+
 def flatten(state: Mapping[str, Any], rank: int = 0) -> FlatState:
     """Split ``state`` into tensors (by stored name) and encoded plain values (by path).
 
@@ -434,11 +440,11 @@ class _RestorePlanner:
 
     def _missing(self, path: str, private: bool) -> CheckpointError:
         if private:
+            copies = filter(None, map(split_rank_private, self.saved_tensors))
             ranks = sorted(
-                int(match.group(1))
-                for name in self.saved_tensors
-                if (match := _PRIVATE.fullmatch(name))
-                and (match.group(2) == path or match.group(2).startswith(path + "/"))
+                rank
+                for rank, stored_path in copies
+                if stored_path == path or stored_path.startswith(path + "/")
             )
             held = f"copies for ranks {sorted(set(ranks))}" if ranks else "no tensor copies"
             if not ranks and self.objects_rank != self.rank:

@@ -27,7 +27,7 @@ from conftest import REPO, run_python
 from torch import nn
 
 from ckptmgr import CheckpointManager, PerRank, objects
-from ckptmgr.cli import NestedState, parse_storage_option, unescape_key
+from ckptmgr.cli import NestedState, parse_storage_option, tensors_for_rank, unescape_key
 from ckptmgr.errors import CheckpointError
 from ckptmgr.state import flatten
 
@@ -380,6 +380,27 @@ def test_export_writes_a_torch_save_file_with_bit_exact_tensors(
 
 
 # -- rm ----------------------------------------------------------------------------------------
+
+
+def test_tensors_for_rank_takes_each_per_rank_path_from_the_rank_or_else_rank_0() -> None:
+    names = [
+        "w",
+        "%rank00000%/seen",
+        "%rank00001%/seen",
+        "%rank00000%/only0",
+        "%rank00002%/a\nb",  # a key holding a newline is a per-rank path too
+    ]
+    assert tensors_for_rank(names, 1) == {
+        "w": "w",
+        "%rank00001%/seen": "seen",
+        "%rank00000%/only0": "only0",
+    }
+    assert tensors_for_rank(names, 2) == {
+        "w": "w",
+        "%rank00000%/seen": "seen",
+        "%rank00000%/only0": "only0",
+        "%rank00002%/a\nb": "a\nb",
+    }
 
 
 def test_rm_refuses_a_missing_step_and_deletes_committed_ones(

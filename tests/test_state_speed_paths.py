@@ -19,7 +19,14 @@ from torch import nn
 from ckptmgr import CheckpointError, PerRank, StateDict
 from ckptmgr.module_state import TrainingObjects
 from ckptmgr.objects import TAG
-from ckptmgr.state import FlatState, flatten, join_path, plan_restore
+from ckptmgr.state import (
+    FlatState,
+    flatten,
+    join_path,
+    plan_restore,
+    rank_private_name,
+    split_rank_private,
+)
 
 
 class Shout(str):
@@ -237,11 +244,23 @@ def test_per_rank_inside_a_plain_dict_is_stored_under_rank_private_names() -> No
     assert target["a"]["local"].value["t"][1] == 1
     assert torch.equal(target["a"]["w"], w)
 
-    with pytest.raises(CheckpointError, match=r"per-rank state 'a/local/seen' has no copy for"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"per-rank state 'a/local/seen' has no copy for rank 1 in the "
+        r"checkpoint \(copies for ranks \[3\]",
+    ):
         restore(zeroed(state), flat, rank=1, objects_rank=1)
     plain_only = {"a": {"local": PerRank({"n": 0})}}
     with pytest.raises(CheckpointError, match=r"plain values of rank 0 only"):
         restore(plain_only, flatten({"a": {"local": PerRank({"n": 4})}}), rank=1, objects_rank=0)
+
+
+def test_rank_private_names_split_back_into_rank_and_path() -> None:
+    for path in ("a/b", "x\ny", "%25/%2F", "a/%rank00001%/b"):
+        assert split_rank_private(rank_private_name(path, 12)) == (12, path)
+    assert split_rank_private(rank_private_name("w", 123456)) == (123456, "w")
+    for name in ("a/%rank00001%/b", "%rank0001%/a", "%rank00001%", "w", "%25rank00001%25/a"):
+        assert split_rank_private(name) is None, name
 
 
 def test_round_trip_of_every_container_kind_restores_in_place() -> None:
