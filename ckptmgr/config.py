@@ -35,7 +35,10 @@ class CheckpointConfig(BaseModel):
         default=0, strict=True, ge=0, description="0 keeps every step; N keeps the N newest."
     )
     max_pending_async: int = Field(
-        default=1, strict=True, gt=0, description="Bound on in-flight async saves."
+        default=1,
+        strict=True,
+        gt=0,
+        description="Host staging slots: the most async saves whose data is not yet written.",
     )
     num_of_threads: int = Field(
         default=1,

@@ -53,6 +53,9 @@ class _SaveRequest:
     metadata: dict[str, Any]
     packed: dict[str, PackedTensor] = field(default_factory=dict)  # set by the write
     staged: bool = False  # tensors are save_async's staged copies (shared memory in process mode)
+    # gives save_async's staging slot back (once): called when the data is written, before the
+    # commit and retention's deletions, so the next save_async need not wait for those
+    release_staging: Callable[[], None] | None = None
 
 
 @dataclass
@@ -355,10 +358,10 @@ class CheckpointManager:
 
         Returns True once the copy is taken and the write is queued: from then on the caller may
         change its tensors; the checkpoint holds the values of this call. Waits for a free slot
-        when ``max_pending_async`` saves are in flight. A failed background write is raised as
-        ``CheckpointError`` by :meth:`join`, or else by the next save or :meth:`close`. With
-        ``preemption.exit_after_save``, the preemption save is joined, then the manager closes
-        and raises ``SystemExit(128 + signal)``.
+        when ``max_pending_async`` saves are still writing their data. A failed background write
+        is raised as ``CheckpointError`` by :meth:`join`, or else by the next save or
+        :meth:`close`. With ``preemption.exit_after_save``, the preemption save is joined, then
+        the manager closes and raises ``SystemExit(128 + signal)``.
         """
         request = self._request(step, state_dict, force, metrics, metadata)
         if request is None:
@@ -369,11 +372,18 @@ class CheckpointManager:
         except BaseException:
             self._abandon(request)
             raise
+        slot = [buffers]
+
+        def release_staging() -> None:  # once, on the writer thread
+            if slot:
+                self._staging.release(slot.pop())
+
         try:
             self._writer.raise_first_error()  # a save we waited for may just have failed
             request.tensors = self._stage(buffers, request.tensors)
             request.packed = buffers.packed
             request.staged = True
+            request.release_staging = release_staging
         except BaseException:
             self._staging.release(buffers)
             self._abandon(request)
@@ -381,7 +391,7 @@ class CheckpointManager:
 
         def cleanup() -> None:
             request.tensors = {}
-            self._staging.release(buffers)
+            release_staging()  # if the write never got as far
             self._abandon(request)
 
         self._writer.submit(
@@ -511,6 +521,9 @@ class CheckpointManager:
                 )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             local_error = local_error or _unwrap_dcp_error(exc)
+        if request.release_staging is not None:  # the staged bytes are written, or never will be
+            request.tensors = tensors = {}
+            request.release_staging()
         if writer is not None:
             checksums.update(writer.checksums.snapshot())
         if dcp_metadata is not None:  # every rank's files, as finish() saw them (in process

@@ -513,11 +513,12 @@ def _signature(sources: dict[str, torch.Tensor]) -> Hashable:
 class StagingPool:
     """``slots`` staging buffer sets whose host memory together stays within ``budget_bytes``.
 
-    Taking a slot is what bounds in-flight async saves. ``budget_bytes=None`` puts no bound
-    beyond the slots (``slots`` copies of the state; one with the default single slot). With a
-    budget, a slot that must grow its arena first frees idle slots, then waits until in-flight
-    saves have released enough; a state bigger than the budget on its own is staged anyway once
-    nothing else holds memory (with a warning), since waiting longer could not help.
+    Taking a slot is what bounds the async saves whose data is not yet written.
+    ``budget_bytes=None`` puts no bound beyond the slots (``slots`` copies of the state; one with
+    the default single slot). With a budget, a slot that must grow its arena first frees idle
+    slots, then waits until in-flight saves have released enough; a state bigger than the budget
+    on its own is staged anyway once nothing else holds memory (with a warning), since waiting
+    longer could not help.
     """
 
     def __init__(
@@ -542,7 +543,8 @@ class StagingPool:
         """A free buffer set, waiting (and logging how long) if all are in flight.
 
         Raises ``TimeoutError`` after ``timeout_s`` seconds (None: wait as long as it takes,
-        which is until a background write ends: every write releases its slot when it ends).
+        which is until a background save's data is written: every save releases its slot then,
+        or when it fails).
         """
         started = time.perf_counter()
         with self._cond:

@@ -597,3 +597,45 @@ def test_save_async_waits_for_a_free_slot_and_logs_the_wait(
     assert len(waits) == 1, waits
     assert re.search(r"waited \d+(\.\d+)? s", waits[0]), waits[0]
     assert "step 2" in waits[0]
+
+
+def test_a_written_save_frees_its_slot_before_its_commit_ends(flaky: type[FlakyFileSystem]) -> None:
+    """The staging slot comes back once the data is written: the next save_async does not wait
+    for the previous save's commit (nor for retention's deletions after it)."""
+    flaky.faults.block_suffixes = ("commit.json",)  # every commit waits for release
+    mgr = flaky_manager(f"{PROTOCOL}://early-slot", max_pending_async=1)
+    states = {step: make_state(step) for step in (1, 2)}
+    second_returned = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def second_save() -> None:
+        try:
+            outcome["saved"] = mgr.save_async(2, states[2])
+            outcome["first_commit_was_released"] = flaky.faults.release.is_set()
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            second_returned.set()
+
+    worker = threading.Thread(target=second_save, name="second-save")
+    try:
+        assert mgr.save_async(1, states[1]) is True
+        assert flaky.faults.blocked.wait(BOUND_S), "the first save never reached its commit"
+        worker.start()
+        # Bounded below the flaky store's own give-up time, so a save_async that waits for the
+        # blocked commit fails here instead of returning once that commit gave up.
+        assert second_returned.wait(BOUND_S / 2), "save_async waited for the previous commit"
+        assert "error" not in outcome, outcome.get("error")
+        assert outcome == {"saved": True, "first_commit_was_released": False}
+        flaky.faults.release.set()
+        mgr.join()
+        assert mgr.all_steps() == [1, 2]
+        for step, state in states.items():  # step 2's staging reused the slot of step 1
+            restored = empty_like_state(state)
+            mgr.restore(step, restored)
+            assert_same_state(restored, state)
+    finally:
+        flaky.faults.release.set()
+        if worker.ident is not None:
+            worker.join(BOUND_S)
+        mgr.close()
