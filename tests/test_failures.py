@@ -554,25 +554,34 @@ def test_old_leftovers_are_removed_with_the_default_grace(ckpt_dir: Path) -> Non
 # -- backpressure --------------------------------------------------------------------------------
 
 
+def second_save_async(
+    mgr: CheckpointManager, state: dict[str, Any], flaky: type[FlakyFileSystem]
+) -> tuple[threading.Thread, threading.Event, dict[str, Any]]:
+    """A thread (not started) that calls ``mgr.save_async(2, state)``, then an event set when
+    the call has returned, and its outcome: ``saved``, and ``release_was_set`` (whether the
+    flaky store's blocked write had been let go by then), or ``error``."""
+    returned = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def second_save() -> None:
+        try:
+            outcome["saved"] = mgr.save_async(2, state)
+            outcome["release_was_set"] = flaky.faults.release.is_set()
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            returned.set()
+
+    return threading.Thread(target=second_save, name="second-save"), returned, outcome
+
+
 def test_save_async_waits_for_a_free_slot_and_logs_the_wait(
     flaky: type[FlakyFileSystem], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="ckptmgr")
     flaky.faults.block_suffixes = (".distcp",)
     mgr = flaky_manager(f"{PROTOCOL}://backpressure", max_pending_async=1)
-    second_returned = threading.Event()
-    outcome: dict[str, Any] = {}
-
-    def second_save() -> None:
-        try:
-            outcome["saved"] = mgr.save_async(2, make_state(2))
-            outcome["release_was_set"] = flaky.faults.release.is_set()
-        except BaseException as exc:
-            outcome["error"] = exc
-        finally:
-            second_returned.set()
-
-    worker = threading.Thread(target=second_save, name="second-save")
+    worker, second_returned, outcome = second_save_async(mgr, make_state(2), flaky)
     try:
         assert mgr.save_async(1, make_state(1)) is True
         assert flaky.faults.blocked.wait(BOUND_S), "the first write never reached the file system"
@@ -605,19 +614,7 @@ def test_a_written_save_frees_its_slot_before_its_commit_ends(flaky: type[FlakyF
     flaky.faults.block_suffixes = ("commit.json",)  # every commit waits for release
     mgr = flaky_manager(f"{PROTOCOL}://early-slot", max_pending_async=1)
     states = {step: make_state(step) for step in (1, 2)}
-    second_returned = threading.Event()
-    outcome: dict[str, Any] = {}
-
-    def second_save() -> None:
-        try:
-            outcome["saved"] = mgr.save_async(2, states[2])
-            outcome["first_commit_was_released"] = flaky.faults.release.is_set()
-        except BaseException as exc:
-            outcome["error"] = exc
-        finally:
-            second_returned.set()
-
-    worker = threading.Thread(target=second_save, name="second-save")
+    worker, second_returned, outcome = second_save_async(mgr, states[2], flaky)
     try:
         assert mgr.save_async(1, states[1]) is True
         assert flaky.faults.blocked.wait(BOUND_S), "the first save never reached its commit"
@@ -626,7 +623,7 @@ def test_a_written_save_frees_its_slot_before_its_commit_ends(flaky: type[FlakyF
         # blocked commit fails here instead of returning once that commit gave up.
         assert second_returned.wait(BOUND_S / 2), "save_async waited for the previous commit"
         assert "error" not in outcome, outcome.get("error")
-        assert outcome == {"saved": True, "first_commit_was_released": False}
+        assert outcome == {"saved": True, "release_was_set": False}  # the first commit held
         flaky.faults.release.set()
         mgr.join()
         assert mgr.all_steps() == [1, 2]
