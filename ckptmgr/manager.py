@@ -374,7 +374,7 @@ class CheckpointManager:
             raise
         slot = [buffers]
 
-        def release_staging() -> None:  # once, on the writer thread
+        def release_staging() -> None:  # once: after the write, or when it fails or never runs
             if slot:
                 self._staging.release(slot.pop())
 
@@ -385,7 +385,7 @@ class CheckpointManager:
             request.staged = True
             request.release_staging = release_staging
         except BaseException:
-            self._staging.release(buffers)
+            release_staging()
             self._abandon(request)
             raise
 
