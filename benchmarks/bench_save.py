@@ -66,14 +66,24 @@ class CommitClock(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.committed_at: dict[int, float] = {}
+        self.committed_at: dict[int, float] = {}  # step -> time.perf_counter() of its commit
+        self._changed = threading.Condition()
         logger = logging.getLogger("ckptmgr")
         logger.setLevel(logging.INFO)  # no handler prints INFO: the root has none
         logger.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.msg == "committed step %d" and isinstance(record.args, tuple):
-            self.committed_at[int(record.args[0])] = time.perf_counter()
+            with self._changed:
+                self.committed_at[int(record.args[0])] = time.perf_counter()
+                self._changed.notify_all()
+
+    def wait(self, step: int, timeout_s: float) -> float:
+        """The commit time of ``step``, waiting up to ``timeout_s`` for it (``TimeoutError``)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: step in self.committed_at, timeout_s):
+                raise TimeoutError(f"step {step} did not commit within {timeout_s} s")
+            return self.committed_at[step]
 
 
 def writer_idle(manager: CheckpointManager) -> bool:

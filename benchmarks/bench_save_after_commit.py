@@ -17,38 +17,17 @@ committed, a second ``save_async``, whose blocking time is reported.
 from __future__ import annotations
 
 import argparse
-import logging
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 
 import torch
+from bench_save import CommitClock  # this script's folder is on sys.path
 
 from ckptmgr import CheckpointManager
 
 _WAIT_S = 600.0  # bound on waiting for one commit
-
-
-class CommitEvents(logging.Handler):
-    """One event per step, set when ckptmgr logs ``committed step N``."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self._events: dict[int, threading.Event] = {}
-        self._lock = threading.Lock()
-        logger = logging.getLogger("ckptmgr")
-        logger.setLevel(logging.INFO)  # no handler prints INFO: the root has none
-        logger.addHandler(self)
-
-    def event(self, step: int) -> threading.Event:
-        with self._lock:
-            return self._events.setdefault(step, threading.Event())
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.msg == "committed step %d" and isinstance(record.args, tuple):
-            self.event(int(record.args[0])).set()
 
 
 def main() -> None:
@@ -62,7 +41,7 @@ def main() -> None:
     numel = args.size_mib * 2**20 // 4 // args.tensors
     state = {f"t{i}": torch.rand(numel) for i in range(args.tensors)}
     targets = [torch.zeros(numel) for _ in range(args.tensors)]  # touched
-    commits = CommitEvents()
+    commits = CommitClock()
     root = tempfile.mkdtemp(dir=args.dir)
     manager = CheckpointManager(root, 1, max_to_keep=1, chkpt_on_preemption=False)
     memcpy: list[float] = []
@@ -76,8 +55,7 @@ def main() -> None:
             memcpy.append(time.perf_counter() - started)
             first, second = 2 * round_ - 1, 2 * round_
             manager.save_async(first, state)
-            if not commits.event(first).wait(_WAIT_S):
-                raise TimeoutError(f"step {first} did not commit within {_WAIT_S} s")
+            commits.wait(first, _WAIT_S)
             started = time.perf_counter()
             manager.save_async(second, state)  # the step before `first` is being deleted now
             blocking.append(time.perf_counter() - started)
