@@ -24,6 +24,7 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ckptmgr import CheckpointError, CheckpointManager, StepNotFoundError
+from ckptmgr.staging import StagingBuffers
 
 # Upper bound of every wait on another thread in this file: generous, never reached when healthy.
 BOUND_S = 60.0
@@ -606,6 +607,41 @@ def test_save_async_waits_for_a_free_slot_and_logs_the_wait(
     assert len(waits) == 1, waits
     assert re.search(r"waited \d+(\.\d+)? s", waits[0]), waits[0]
     assert "step 2" in waits[0]
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_failed_copy_raises_from_save_async_and_leaves_nothing(
+    ckpt_dir: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the copy of the state fails, save_async raises that error and nothing else: nothing
+    is written or committed, no write directory is left, no second error is reported later, and
+    the staging slot and the step are free for a retry."""
+    original_stage = StagingBuffers.stage
+    copies: list[int] = []
+
+    def stage_failing_once(self: StagingBuffers, *args: Any, **kwargs: Any) -> Any:
+        copies.append(1)
+        if len(copies) == 1:
+            raise MemoryError("injected: no memory for the copy")
+        return original_stage(self, *args, **kwargs)
+
+    monkeypatch.setattr(StagingBuffers, "stage", stage_failing_once)
+    state = make_state(1)
+    with CheckpointManager(
+        ckpt_dir, save_interval=1, chkpt_on_preemption=False, async_mode=mode
+    ) as mgr:
+        with pytest.raises(MemoryError, match="injected"):
+            mgr.save_async(1, state)
+        mgr.join()  # raises if the job reported an error of its own
+        assert mgr.all_steps() == []
+        assert [p.name for p in ckpt_dir.iterdir() if p.name != "owner.json"] == []
+        assert mgr.save_async(1, state) is True  # max_pending_async=1: the slot came back
+        mgr.join()
+        assert mgr.all_steps() == [1]
+        restored = empty_like_state(state)
+        mgr.restore(1, restored)
+    assert_same_state(restored, state)
+    assert len(copies) == 2
 
 
 def test_a_written_save_frees_its_slot_before_its_commit_ends(flaky: type[FlakyFileSystem]) -> None:
