@@ -108,9 +108,13 @@ class TensorSection:
     def __init__(self, tensors: dict[str, TensorEntry], packed: dict[str, int]) -> None:
         self.tensors = tensors
         self.packed = packed
-        self.json = (
-            f'"tensors": {_TENSORS_JSON.dump_json(tensors).decode()},\n'
-            f' "packed": {_PACKED_JSON.dump_json(packed).decode()}'
+        self.json = b"".join(  # UTF-8 bytes, as a record is written
+            (
+                b'"tensors": ',
+                _TENSORS_JSON.dump_json(tensors),
+                b',\n "packed": ',
+                _PACKED_JSON.dump_json(packed),
+            )
         )
 
 
@@ -173,7 +177,7 @@ class CommitRecord(BaseModel):
         ):
             section = TensorSection(self.tensors, self.packed)  # fields set since: made anew
         assert head.endswith("\n}")
-        return f"{head[:-2]},\n {section.json}\n}}".encode()
+        return b"".join((head[:-2].encode(), b",\n ", section.json, b"\n}"))
 
     @classmethod
     def from_json(cls, data: bytes | str) -> CommitRecord:
