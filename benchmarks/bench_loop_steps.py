@@ -1,0 +1,168 @@
+"""Where a training loop loses its time during background saves: every step timed.
+
+``bench_save.py`` reports the steps a loop loses while a save's background job runs, as one sum.
+This script times each step of the loop instead, so the loss can be placed: in the first step
+after ``save_async`` returns, in the write, around the commit. For each of ``--saves`` saves in a
+row it makes a ``save_async`` of the workload, then runs the loop on the calling thread until the
+background job has ended (retention's deletion included). A step's excess is its time minus the
+loop's median step time measured just before, with nothing running.
+
+Reported: the baseline step; blocking per save; steps per save; lost milliseconds per save (the
+summed excess of the steps, the blocking copy not counted); the share of the loop's time lost
+while the job ran (lost / (lost + steps x baseline)); the excess of the first steps after each
+``save_async``; and the excess by the time since ``save_async`` returned, in 5 ms slices.
+
+``--pin`` (Linux, two CPUs or more) runs the loop alone on CPU 0 and everything else (ckptmgr's
+threads, the checkpoint daemon in process mode) on CPU 1: what remains of the loss then is not
+competition for a core.
+
+Usage::
+
+    python benchmarks/bench_loop_steps.py --workload c --mode thread --saves 60
+    python benchmarks/bench_loop_steps.py --workload c --mode process --saves 60 --pin
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from bench_save import Loop, workload_a, workload_c, writer_idle  # this script's folder
+
+from ckptmgr import CheckpointManager
+
+_LIMIT_S = 600.0  # bound on one background job
+_SLICE_S = 0.005
+
+
+def pin_loop_alone(loop_thread: int) -> list[int]:
+    """Pin thread ``loop_thread`` to CPU 0, and every other thread of this process and of its
+    child processes to CPU 1; returns the child pids."""
+    children: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        tid = int(task)
+        os.sched_setaffinity(tid, {0} if tid == loop_thread else {1})
+        try:
+            with open(f"/proc/self/task/{task}/children") as handle:
+                children.update(int(pid) for pid in handle.read().split())
+        except OSError:
+            pass
+    for pid in children:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(task), {1})
+            except OSError:  # the thread ended meanwhile
+                pass
+    return sorted(children)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=["a", "c"], default="c")
+    parser.add_argument("--small", type=int, default=20_000, help="tensors of workload c")
+    parser.add_argument("--size-mib", type=int, default=1024, help="size of workload a")
+    parser.add_argument("--mode", choices=["thread", "process"], default="thread")
+    parser.add_argument("--loop", choices=["python", "compute"], default="python")
+    parser.add_argument("--saves", type=int, default=60)
+    parser.add_argument("--pin", action="store_true", help="the loop alone on CPU 0")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp directory)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+
+    work = (
+        workload_c(args.small, "cpu")
+        if args.workload == "c"
+        else workload_a(args.size_mib, 64, "cpu")
+    )
+    root = Path(tempfile.mkdtemp(prefix="bench-loop-", dir=args.dir))
+    loop = Loop(args.loop)
+    threads = torch.get_num_threads()  # for the copy; the loop runs on one, as in bench_save
+    manager = CheckpointManager(
+        root, 1, max_to_keep=1, chkpt_on_preemption=False, async_mode=args.mode
+    )
+    try:
+        manager.save_async(0, work.state)  # allocates the staging, starts thread and daemon
+        manager.join()
+        children = pin_loop_alone(threading.get_native_id()) if args.pin else []
+        torch.set_num_threads(1)
+        baseline = loop.baseline(300)
+        blocking: list[float] = []
+        steps = 0
+        first: list[list[float]] = [[] for _ in range(4)]
+        slices: dict[int, float] = {}
+        lost = 0.0
+        for step in range(1, args.saves + 1):
+            torch.set_num_threads(threads)
+            started = time.perf_counter()
+            manager.save_async(step, work.state)
+            returned = time.perf_counter()
+            blocking.append(returned - started)
+            torch.set_num_threads(1)
+            index = 0
+            while not writer_idle(manager):
+                before = time.perf_counter()
+                loop.step()
+                after = time.perf_counter()
+                excess = after - before - baseline
+                lost += excess
+                if index < len(first):
+                    first[index].append(excess)
+                position = int((before - returned) / _SLICE_S)
+                slices[position] = slices.get(position, 0.0) + excess
+                index += 1
+                if after - returned > _LIMIT_S:
+                    raise TimeoutError(f"a background save took over {_LIMIT_S} s")
+            steps += index
+            manager.join()
+        baseline_after = loop.baseline(300)
+    finally:
+        manager.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+    saves = args.saves
+    busy = steps * baseline
+    result = {
+        "workload": work.name,
+        "mode": args.mode,
+        "loop": args.loop,
+        "pinned": args.pin,
+        "children_pinned": len(children),
+        "saves": saves,
+        "baseline_step_ms": baseline * 1e3,
+        "baseline_step_after_ms": baseline_after * 1e3,
+        "blocking_ms": statistics.median(blocking) * 1e3,
+        "steps_per_save": steps / saves,
+        "lost_ms_per_save": lost / saves * 1e3,
+        "lost_share": lost / (lost + busy) if lost + busy > 0 else 0.0,
+        "first_steps_excess_ms": [sum(e) / saves * 1e3 for e in first],
+        "excess_ms_by_slice": {
+            f"{k * 5}-{k * 5 + 5} ms": v / saves * 1e3 for k, v in sorted(slices.items())
+        },
+    }
+    print(
+        f"{work.name}, {args.mode} mode, {args.loop} loop{', pinned' if args.pin else ''}: "
+        f"baseline step {result['baseline_step_ms']:.3f} ms "
+        f"({result['baseline_step_after_ms']:.3f} ms after); blocking {result['blocking_ms']:.1f} "
+        f"ms; {result['steps_per_save']:.1f} steps per save; lost "
+        f"{result['lost_ms_per_save']:.2f} ms per save = {result['lost_share'] * 100:.0f}% of the "
+        f"loop's time while the job ran"
+    )
+    firsts = ", ".join(f"{value:.2f}" for value in result["first_steps_excess_ms"])
+    print(f"excess of the first steps after save_async returned, ms per save: {firsts}")
+    for label, value in result["excess_ms_by_slice"].items():
+        if abs(value) >= 0.05:
+            print(f"  {label} after save_async returned: {value:.2f} ms per save")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
