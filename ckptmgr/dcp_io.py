@@ -401,6 +401,7 @@ class _RawTensorReader:
     storage_data: dict[Any, Any]
     raw: bool = False
     _chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]
+    _shared: set[int]  # ids of the read items whose destinations overlap another's
 
     def set_up_storage_reader(
         self, metadata: dcp_metadata.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -416,6 +417,12 @@ class _RawTensorReader:
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if not self.raw:
             return super().read_data(plan, planner)  # type: ignore[misc]
+        # Destinations whose memory overlaps another's get no direct read: the CRC of a file is
+        # computed from the bytes in the destination after the read, which a later read into
+        # an overlapping destination (even one of another file) would change first.
+        targets = [planner.resolve_tensor(request) for request in plan.items]
+        self._shared = {id(plan.items[i]) for i in tensor_bytes.overlapping(targets)}
+        del targets
         per_file: dict[str, list[ReadItem]] = {}
         for request in plan.items:
             info = self.storage_data[request.storage_index]
@@ -452,7 +459,8 @@ class _RawTensorReader:
                 dtype, sizes = found
                 info = self.storage_data[chunk_requests[0].storage_index]
                 direct = None
-                if len(chunk_requests) == 1 and _whole(chunk_requests[0], sizes):
+                alone = len(chunk_requests) == 1 and id(chunk_requests[0]) not in self._shared
+                if alone and _whole(chunk_requests[0], sizes):
                     target = planner.resolve_tensor(chunk_requests[0]).detach()
                     if tensor_bytes.reads_directly_into(target, dtype, sizes):
                         direct = target

@@ -48,6 +48,7 @@ from ckptmgr.packing import (
     fingerprint,
     pack_layout,
 )
+from ckptmgr.tensor_bytes import byte_extent
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +320,7 @@ class StagingBuffers:
                 continue
             lows, highs = [], []
             for key in keys:
-                low, high = _byte_extent(sources[key])
+                low, high = byte_extent(sources[key])
                 lows.append(low)
                 highs.append(high)
             start = min(lows) // 16 * 16  # keeps every view's offset a multiple of its item size
@@ -458,14 +459,6 @@ class StagingBuffers:
 def _storage_id(tensor: torch.Tensor) -> tuple[str, int]:
     """Identifies the storage ``tensor`` views (device and base address)."""
     return (str(tensor.device), tensor.untyped_storage().data_ptr())
-
-
-def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
-    """[low, high) byte range of ``tensor``'s storage that it can touch."""
-    size = tensor.element_size()
-    low = tensor.storage_offset() * size
-    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True) if n > 0)
-    return low, low + (last + 1) * size
 
 
 def _quick_signature(tensors: Mapping[str, torch.Tensor], pack: bool) -> tuple[object, ...]:

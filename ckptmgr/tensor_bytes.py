@@ -61,15 +61,20 @@ class OrderedHasher:
 
     ``add`` returns at once (``zlib.crc32`` releases the GIL for large buffers, so hashing runs
     beside the caller's I/O); ``result`` waits for every piece. Each piece's owner (the tensor
-    whose memory it views) is held until the piece is hashed.
+    whose memory it views) is held until the piece is hashed. With ``max_backlog_bytes``,
+    ``add`` waits while more than that many bytes handed to the thread are not hashed yet (for
+    pieces whose memory exists only to be hashed, so that a slow hash cannot pile them up).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_backlog_bytes: int | None = None) -> None:
         self._queue: queue.SimpleQueue[list[tuple[memoryview, Any]] | None] = queue.SimpleQueue()
         self._batch: list[tuple[memoryview, Any]] = []
         self._batch_bytes = 0
         self._crc = 0
         self._error: BaseException | None = None
+        self._max_backlog = max_backlog_bytes
+        self._backlog = 0  # bytes queued for the thread and not hashed yet
+        self._hashed = threading.Condition()
         self._inline = not PARALLEL_HASHING
         self._thread = threading.Thread(target=self._run, name="ckptmgr-crc32", daemon=True)
         if not self._inline:
@@ -97,10 +102,16 @@ class OrderedHasher:
         return self._crc
 
     def _flush(self) -> None:
-        if self._batch:
-            self._queue.put(self._batch)
-            self._batch = []
-            self._batch_bytes = 0
+        if not self._batch:
+            return
+        if self._max_backlog is not None:
+            with self._hashed:
+                while self._backlog > self._max_backlog and self._thread.is_alive():
+                    self._hashed.wait(_BACKLOG_POLL_S)
+                self._backlog += self._batch_bytes
+        self._queue.put(self._batch)
+        self._batch = []
+        self._batch_bytes = 0
 
     def _run(self) -> None:
         _lower_priority()
@@ -110,11 +121,23 @@ class OrderedHasher:
                 batch = self._queue.get()
                 if batch is None:
                     break
+                hashed = 0
                 for piece, _owner in batch:
                     crc = zlib.crc32(piece, crc)
+                    hashed += piece.nbytes
+                del batch
+                with self._hashed:
+                    self._backlog -= hashed
+                    self._hashed.notify_all()
         except BaseException as exc:  # pragma: no cover - zlib does not fail on bytes
             self._error = exc
-        self._crc = crc
+        finally:
+            self._crc = crc
+            with self._hashed:
+                self._hashed.notify_all()  # a waiting add() sees the thread gone
+
+
+_BACKLOG_POLL_S = 1.0  # how often a waiting add() checks that the hashing thread still runs
 
 
 HASHING_NICENESS = 10
@@ -223,6 +246,11 @@ class TensorSource(Protocol):
         """Called once every chunk is read: checks the whole file when the source does."""
 
 
+READ_HASH_BACKLOG_BYTES = 64 * 2**20
+"""A file being read runs at most this far ahead of its hashing: a restore of a few tensors from
+a large file reads the rest of it only to hash it, in buffers that would otherwise pile up."""
+
+
 class VerifyingLocalFile:
     """A local data file read in increasing offsets, hashed while it is read.
 
@@ -235,7 +263,9 @@ class VerifyingLocalFile:
         self._file = open(path, "rb", buffering=0)
         self._name = name
         self._check = check
-        self._hasher: OrderedHasher | None = OrderedHasher() if check is not None else None
+        self._hasher: OrderedHasher | None = None
+        if check is not None:  # unneeded bytes are read into new buffers just to be hashed
+            self._hasher = OrderedHasher(max_backlog_bytes=READ_HASH_BACKLOG_BYTES)
         self._position = 0
 
     def read_into(self, offset: int, piece: memoryview, owner: Any) -> None:
@@ -349,6 +379,33 @@ def read_chunk(
     if length:
         source.read_into(offset, byte_view(target), target)
     return target
+
+
+def byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """[low, high) byte range of ``tensor``'s storage that it can touch."""
+    size = tensor.element_size()
+    low = tensor.storage_offset() * size
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True) if n > 0)
+    return low, low + (last + 1) * size
+
+
+def overlapping(tensors: list[torch.Tensor]) -> set[int]:
+    """Positions in ``tensors`` of the CPU tensors whose memory overlaps another's there."""
+    spans = []
+    for position, tensor in enumerate(tensors):
+        if tensor.device.type == "cpu" and tensor.numel():
+            base = tensor.untyped_storage().data_ptr()
+            low, high = byte_extent(tensor)
+            spans.append((base + low, base + high, position))
+    spans.sort()
+    found: set[int] = set()
+    reach, reacher = -1, -1  # the furthest end so far, and whose it is
+    for low, high, position in spans:
+        if low < reach:  # overlaps the span that reaches furthest
+            found.update((position, reacher))
+        if high > reach:
+            reach, reacher = high, position
+    return found
 
 
 def reads_directly_into(target: torch.Tensor, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:

@@ -17,6 +17,7 @@ import copy
 import json
 import pickle
 import shutil
+import threading
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,7 +28,13 @@ import pytest
 import torch
 from torch import nn
 
-from ckptmgr import CheckpointError, CheckpointManager, CommitRecord, CorruptCheckpointError
+from ckptmgr import (
+    CheckpointError,
+    CheckpointManager,
+    CommitRecord,
+    CorruptCheckpointError,
+    tensor_bytes,
+)
 
 DATA = Path(__file__).resolve().parent / "data"
 KIB = 1024
@@ -757,6 +764,108 @@ def flip_middle_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+class HashingAtTheEnd(tensor_bytes.OrderedHasher):
+    """Fault injection: a hashing thread that runs as late as it may, hashing nothing before
+    ``result()``."""
+
+    def __init__(self, max_backlog_bytes: int | None = None) -> None:
+        super().__init__(max_backlog_bytes)
+        self._held: list[tuple[memoryview, Any]] = []
+
+    def add(self, piece: memoryview, owner: Any = None) -> None:
+        self._held.append((piece, owner))
+
+    def result(self) -> int:
+        for piece, owner in self._held:
+            super().add(piece, owner)
+        self._held = []
+        return super().result()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_destinations_sharing_memory_restore_without_a_false_crc_error(
+    tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two tensors stored apart, restored into one tensor under both keys (weights tied in the
+    model but not in the checkpoint): the restore succeeds with one of the stored values, and
+    restore_latest quarantines nothing. A file's CRC is computed from the bytes a read put into
+    the destination; a later read into the same memory once changed them before the hashing
+    thread got there, so an intact step failed its check and was quarantined."""
+    monkeypatch.setattr(tensor_bytes, "OrderedHasher", HashingAtTheEnd)
+    stored = {"a": torch.randn(1 << 18), "b": torch.randn(1 << 18)}  # 1 MiB each: not packed
+    with manager(tmp_path, num_of_threads=threads) as mgr:
+        assert mgr.save(1, stored)
+        tied = torch.zeros(1 << 18)
+        mgr.restore(1, {"a": tied, "b": tied})
+        assert torch.equal(tied, stored["a"]) or torch.equal(tied, stored["b"])
+        tied.zero_()
+        assert mgr.restore_latest({"a": tied, "b": tied}) == 1
+        assert mgr.all_steps() == [1]
+    assert not (step_dir(tmp_path, 1) / "quarantined.json").exists()
+    assert torch.equal(tied, stored["a"]) or torch.equal(tied, stored["b"])
+
+
+def test_a_hasher_with_a_backlog_limit_waits_for_the_hashing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading a file to hash it (the bytes a partial restore skips) stays this far ahead of
+    the hashing thread instead of piling up buffers: add() waits while more than the limit is
+    queued, and the CRC is still that of every piece in order."""
+    bound_s = 60.0
+    gate, hashing = threading.Event(), threading.Event()
+
+    class GatedZlib:  # fault injection: the hashing thread stalls until the gate opens
+        @staticmethod
+        def crc32(data: Any, value: int = 0) -> int:
+            hashing.set()
+            assert gate.wait(bound_s), "the test never opened the gate"
+            return zlib.crc32(data, value)
+
+    monkeypatch.setattr(tensor_bytes, "zlib", GatedZlib)
+    hasher = tensor_bytes.OrderedHasher(max_backlog_bytes=2 * MIB)
+    pieces = [bytes([n]) * MIB for n in range(8)]
+    added: list[int] = []
+
+    def add_all() -> None:
+        for piece in pieces:
+            hasher.add(memoryview(piece), piece)
+            added.append(len(piece))
+
+    adder = threading.Thread(target=add_all)
+    adder.start()
+    try:
+        assert hashing.wait(bound_s), "the hashing thread never started"
+        adder.join(0.5)  # negative check, bounded: add() must be waiting for the hashing
+        assert adder.is_alive()
+        assert 2 * MIB <= sum(added) <= 4 * MIB
+    finally:
+        gate.set()
+        adder.join(bound_s)
+    assert not adder.is_alive()
+    assert hasher.result() == zlib.crc32(b"".join(pieces))
+
+
+def test_overlapping_finds_the_cpu_tensors_that_share_memory() -> None:
+    """Views of disjoint parts of one buffer do not overlap (each is still read into
+    directly); views that share bytes do, as does a tensor under two keys."""
+    flat = torch.zeros(100)
+    other = torch.zeros(10)
+    tensors = [
+        flat[0:10],  # 0
+        flat[10:20],  # 1: disjoint from 0
+        flat[15:30],  # 2: overlaps 1
+        flat[40:60:2],  # 3: strided, reaches 40..58
+        flat[59:61],  # 4: overlaps nothing (3 ends at element 58)
+        flat[50:52],  # 5: inside 3's extent
+        other,  # 6
+        other,  # 7: the same tensor again
+        torch.zeros(0),  # 8: empty, ignored
+        flat[70:70],  # 9: empty view, ignored
+    ]
+    assert tensor_bytes.overlapping(tensors) == {1, 2, 3, 5, 6, 7}
+    assert tensor_bytes.overlapping([flat[0:50], flat[50:]]) == set()
 
 
 @pytest.mark.parametrize("threads", [1, 3])
