@@ -87,7 +87,13 @@ def split_for_load(
         if offset != run.end or dtype is not run.dtype:
             run = _Run(offset, dtype)
             runs.append(run)
-        if type(dest) in _PLAIN_TENSOR_TYPES and dest.dtype is dtype and dest.is_cpu:
+        if (
+            type(dest) in _PLAIN_TENSOR_TYPES
+            and dest.dtype is dtype
+            and dest.is_cpu
+            and not dest.is_conj()  # lazy conjugate/negative views cannot be an ``out=``
+            and not dest.is_neg()
+        ):
             if len(shape) == 1:
                 out = dest
             elif dest.is_contiguous():

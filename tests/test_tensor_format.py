@@ -598,6 +598,33 @@ def test_a_destination_of_another_dtype_gets_converted_values(
         assert torch.equal(target[key], saved[key].to(dtype)), key
 
 
+@pytest.mark.parametrize("numel", [3, 20_000], ids=["packed", "alone"])
+def test_lazily_conjugated_and_negated_destinations_get_the_stored_values(
+    tmp_path: Path, numel: int
+) -> None:
+    """Destinations that are ``conj()`` views of complex tensors, or carry the negative bit
+    (``conj().imag``), read as the stored values after a restore; small ones come out of the
+    pack, which copies them with ``torch.split_with_sizes_copy``, whose ``out=`` refuses such
+    views."""
+    generator = torch.Generator().manual_seed(numel)
+    stored = {
+        "c": torch.randn(numel, dtype=torch.complex64, generator=generator),
+        "r": torch.randn(numel, generator=generator),
+        "other": torch.randn(numel, generator=generator),
+    }
+    with manager(tmp_path) as mgr:
+        assert mgr.save(1, stored)
+        complex_base = torch.zeros(numel, dtype=torch.complex64)
+        negated_base = torch.zeros(numel, dtype=torch.complex64)
+        other = torch.zeros(numel)
+        targets = {"c": complex_base.conj(), "r": negated_base.conj().imag, "other": other}
+        assert targets["r"].is_neg()
+        mgr.restore(1, targets)
+    assert torch.equal(targets["c"].resolve_conj(), stored["c"])
+    assert torch.equal(targets["r"].resolve_neg(), stored["r"])
+    assert torch.equal(other, stored["other"])
+
+
 def test_a_key_missing_from_the_checkpoint_is_refused(tmp_path: Path) -> None:
     """A key the checkpoint lacks raises CheckpointError naming it."""
     with manager(tmp_path) as mgr:
