@@ -212,6 +212,7 @@ class StagingBuffers:
         self._empty = {}
         self._copy_dst = []
         self._out = {}
+        self._pack_view = torch.empty(0, dtype=torch.uint8)  # a view keeps the arena mapped
 
     @property
     def pack_fingerprint(self) -> str:
@@ -283,11 +284,11 @@ class StagingBuffers:
         sources: dict[str, torch.Tensor],
         pack_keys: list[str],
     ) -> None:
-        by_storage: dict[tuple[str, int], list[str]] = {}
+        by_storage: dict[Hashable, list[str]] = {}
         for key, source in sources.items():
             if source.numel() == 0:
                 continue
-            by_storage.setdefault(_storage_id(source), []).append(key)
+            by_storage.setdefault(_storage_id(key, source), []).append(key)
         units: list[tuple[int, int, int]] = []
         shared: list[bool] = []
         unit_keys: list[str] = []
@@ -409,9 +410,11 @@ class StagingBuffers:
     # -- copying ---------------------------------------------------------------------------------
     def _copy(self, layout: _Layout, sources: Mapping[str, torch.Tensor]) -> None:
         srcs = [sources[key] for key in layout.unit_keys]
-        for unit, _ in layout.share_groups:  # the covered bytes of a shared storage, copied once
+        for unit, members in layout.share_groups:  # a shared storage's covered bytes, once
             _, size, start = layout.units[unit]
-            source = srcs[unit]
+            # Distinct storages can start at one address (tensors from NumPy views of one
+            # array): copy through the largest, which holds every view's bytes.
+            source = max((sources[key] for key, _, _ in members), key=_storage_bytes)
             src = torch.empty(0, dtype=torch.uint8, device=source.device)
             src.set_(source.untyped_storage(), start, (size,), (1,))
             srcs[unit] = src
@@ -456,8 +459,19 @@ class StagingBuffers:
         return buffer
 
 
-def _storage_id(tensor: torch.Tensor) -> tuple[str, int]:
-    """Identifies the storage ``tensor`` views (device and base address)."""
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
+
+
+def _storage_id(key: str, tensor: torch.Tensor) -> Hashable:
+    """Identifies the storage ``tensor`` (stored under ``key``) views: device and base address.
+
+    A lazily conjugated or negated view (``z.conj()``, ``z.conj().imag``) is a group of its own:
+    views of a shared region are rebuilt from dtype, shape, strides and offset, which would
+    drop those bits; alone it is copied with ``copy_``, which resolves them.
+    """
+    if tensor.is_conj() or tensor.is_neg():
+        return ("resolved", key)
     return (str(tensor.device), tensor.untyped_storage().data_ptr())
 
 
@@ -485,6 +499,8 @@ def _views_still_share(layout: _Layout, tensors: Mapping[str, torch.Tensor]) -> 
                 tensor.untyped_storage().data_ptr() != first
                 or tensor.storage_offset() != storage_offset
                 or tensor.stride() != stride
+                or tensor.is_conj()
+                or tensor.is_neg()
             ):
                 return False
     return True
@@ -492,10 +508,10 @@ def _views_still_share(layout: _Layout, tensors: Mapping[str, torch.Tensor]) -> 
 
 def _signature(sources: dict[str, torch.Tensor]) -> Hashable:
     """Everything the layout depends on: keys, dtypes, shapes, devices and storage sharing."""
-    storages: dict[tuple[str, int], int] = {}
+    storages: dict[Hashable, int] = {}
     parts = []
     for key, source in sources.items():
-        group = storages.setdefault(_storage_id(source), len(storages))
+        group = storages.setdefault(_storage_id(key, source), len(storages))
         parts.append(
             (key, source.dtype, source.shape, source.stride(), source.storage_offset(), group)
         )

@@ -4,9 +4,11 @@ those states through a real CheckpointManager."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -143,6 +145,54 @@ def test_shared_views_that_move_within_their_storage_are_a_new_layout() -> None:
     other = torch.arange(20.0) * 3  # the same views, of another storage
     moved = {"a": other[:10], "b": other[10:]}
     _assert_exact(buffers.stage(moved), moved)
+
+
+def _resolved(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a lazily conjugated or negated view reads as, materialised."""
+    return {key: value.resolve_conj().resolve_neg().clone() for key, value in tensors.items()}
+
+
+def test_conjugated_and_negated_views_of_a_shared_storage_keep_their_values() -> None:
+    """``z.conj()`` beside ``z``, and ``z.conj().imag`` (negative bit) beside ``z.real``: the
+    shared region is rebuilt from dtype, shape, strides and offset only, so such views are
+    staged apart (their bits once went missing: the conjugate was stored as ``z``)."""
+    buffers = StagingBuffers()
+    z = torch.randn(6, dtype=torch.complex64)
+    state = {"z": z, "z.conj": z.conj(), "re": z.real, "neg_im": z.conj().imag}
+    assert state["neg_im"].is_neg()
+    staged = buffers.stage(state)
+    _assert_exact(_resolved(staged), _resolved(state))
+    plain = {"z": z, "z.conj": z.conj().resolve_conj(), "re": z.real, "neg_im": z.imag}
+    _assert_exact(_resolved(buffers.stage(plain)), _resolved(plain))  # the same shapes: reused
+    _assert_exact(_resolved(buffers.stage(state)), _resolved(state))  # and back
+
+
+def test_distinct_storages_at_one_address_are_copied_through_the_largest() -> None:
+    """Tensors made from NumPy views of one array have storages of their own that start at the
+    same address; the shorter one first must not cut the copy short (it once raised
+    'Trying to resize storage that is not resizable')."""
+    numpy = pytest.importorskip("numpy")
+    array = numpy.arange(100, dtype=numpy.float32)
+    for state in (
+        {"head": torch.from_numpy(array[:10]), "full": torch.from_numpy(array)},
+        {"full": torch.from_numpy(array), "head": torch.from_numpy(array[:10])},
+    ):
+        _assert_exact(StagingBuffers().stage(state), {k: v.clone() for k, v in state.items()})
+
+
+def test_free_lets_the_arena_go_when_a_pack_was_staged() -> None:
+    """free() drops every view of the arena, the pack's too: an idle slot freed for the budget
+    gives its memory back instead of keeping it mapped."""
+    buffers = StagingBuffers()
+    state = {"small/a": torch.ones(3), "small/b": torch.zeros(2), "big": torch.ones(1 << 16)}
+    staged = buffers.stage(state, pack=any_name)
+    assert PACK_KEY in staged
+    arena = weakref.ref(buffers._arena._map)  # internal: the arena's private mapping
+    del staged
+    buffers.free()
+    gc.collect()
+    assert arena() is None
+    assert buffers.nbytes == 0
 
 
 def test_strides_and_parameters_changing_under_one_layout() -> None:
