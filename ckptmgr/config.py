@@ -104,8 +104,9 @@ class CheckpointConfig(BaseModel):
     lease_timeout_s: float = Field(
         default=60.0,
         gt=0,
-        description="An owner lease whose heartbeat is older than this many seconds is taken "
-        "over (the heartbeat is refreshed every lease_timeout_s / 4).",
+        description="An owner lease whose heartbeat is older than this many seconds (and than "
+        "the owner's own lease_timeout_s) is taken over (the heartbeat is refreshed every "
+        "lease_timeout_s / 4).",
     )
     read_only: bool = Field(
         default=False,

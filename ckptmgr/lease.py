@@ -12,7 +12,8 @@ record, ``owner.json``, at the root::
   conditional write on object stores that support it). A record of another job makes
   :meth:`OwnerLease.acquire` raise :class:`LeaseHeldError` naming the owner, unless the owner is
   **dead** (same host, and its pid no longer exists or is now another process), its heartbeat is
-  **stale** (older than ``timeout_s``), it belongs to the **same job** (a restart of the same
+  **stale** (older than ``timeout_s``, and than the ``timeout_s`` in the owner's record, by which
+  it refreshes its heartbeat), it belongs to the **same job** (a restart of the same
   ``job_id``, such as a torchelastic restart), or ``take_over=True``. Taking over rewrites the
   record and reads it back.
 * **Heartbeat.** A daemon thread rewrites ``heartbeat`` every ``heartbeat_interval_s`` (default a
@@ -26,7 +27,8 @@ conflicts with itself; ranks of one job share the lease because only rank 0 acqu
 Read-only use (listing, restoring, the command line) never touches the lease.
 
 Limits: the lease detects misconfiguration, it is no lock service. Between two heartbeats a
-writer that lost the lease can still commit one step; "stale" compares the record's time with
+writer that lost the lease can still commit one step (once its heartbeat has found the loss, it
+commits and deletes nothing more); "stale" compares the record's time with
 the local clock, so hosts with skewed clocks need a ``timeout_s`` above the skew.
 """
 
@@ -222,7 +224,8 @@ class OwnerLease:
 
     ``fs``/``root`` name the root as fsspec sees it. ``job_id`` defaults to
     :func:`default_job_id`. ``timeout_s`` is how old a heartbeat must be before the lease counts
-    as abandoned; ``heartbeat_interval_s`` (default ``timeout_s / 4``) how often it is refreshed.
+    as abandoned (the owner's own ``timeout_s`` if that is longer); ``heartbeat_interval_s``
+    (default ``timeout_s / 4``) how often it is refreshed.
     """
 
     def __init__(
@@ -306,8 +309,11 @@ class OwnerLease:
             return "the same job (a restart)"
         if current.is_dead():
             return f"its process {current.pid} no longer exists on this host"
-        if current.is_stale(now, self.timeout_s):
-            return f"its heartbeat is older than {self.timeout_s:g} s"
+        # The owner's own timeout too: it refreshes its heartbeat by that, so a newcomer with a
+        # shorter timeout would take a live owner's lease between two of its heartbeats.
+        timeout_s = max(self.timeout_s, current.timeout_s)
+        if current.is_stale(now, timeout_s):
+            return f"its heartbeat is older than {timeout_s:g} s"
         if self.take_over:
             return "take_over=True"
         return None

@@ -618,6 +618,8 @@ class CheckpointManager:
                 byteorder=sys.byteorder,
             )
             record.use_section(section)
+            if self._lease is not None:  # a lease found lost while writing: commit nothing
+                self._lease.check()
             self._storage.commit(request.step, write_dir, record)
             self._records.remember(record)
         except Exception as exc:
@@ -625,6 +627,8 @@ class CheckpointManager:
             outcome = _SaveOutcome(committed=False, error=f"commit failed: {exc!r}", deleted=[])
             return outcome, exc
         try:
+            if self._lease is not None:  # another job owns the root now: delete none of its
+                self._lease.check()  # steps (the step just committed is this job's last)
             listed, deleted = self._plan_retention(request.step)
         except Exception as exc:  # the step is committed; pruning waits for the next save
             log.error("retention after step %d failed; nothing deleted", request.step, exc_info=exc)

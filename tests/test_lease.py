@@ -286,9 +286,22 @@ def test_live_owner_on_another_host_is_respected_until_its_heartbeat_is_stale(
     assert "'other-job' on host 'some-other-host'" in str(refused.value)
     assert record(root)["job_id"] == "other-job"
 
+    write_record(root, heartbeat=time.time() - 30, timeout_s=20.0)
     with lease_of(root, job_id="me", timeout_s=20) as lease:  # 30 s old > 20 s: stale
         assert lease.previous is not None and lease.previous.job_id == "other-job"
         assert record(root)["job_id"] == "me"
+
+
+def test_a_newcomer_with_a_shorter_timeout_respects_the_owners_own(root: Path) -> None:
+    """The owner refreshes its heartbeat by its own timeout (every quarter of it): a newcomer
+    with a shorter one must not call a live owner stale between two of its heartbeats."""
+    write_record(root, heartbeat=time.time() - 30, timeout_s=400.0)
+    with pytest.raises(LeaseHeldError):
+        lease_of(root, job_id="me", timeout_s=2).acquire()
+    assert record(root)["job_id"] == "other-job"
+    write_record(root, heartbeat=time.time() - 30, timeout_s=20.0)  # stale by both
+    with lease_of(root, job_id="me", timeout_s=2) as lease:
+        assert lease.previous is not None and lease.previous.job_id == "other-job"
 
 
 def test_take_over_true_displaces_a_fresh_owner(root: Path) -> None:

@@ -13,14 +13,17 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from conftest import REPO, run_python
 
-from ckptmgr import CheckpointError, CheckpointManager
+from ckptmgr import CheckpointError, CheckpointManager, dcp_io
 from ckptmgr.lease import LEASE_NAME
 
 BOUND_S = 90.0
@@ -31,8 +34,10 @@ pytestmark = [
 CHILD_CODE = r"""
 import sys, torch
 from ckptmgr import CheckpointError, CheckpointManager
-root, timeout = sys.argv[1], float(sys.argv[2])
-manager = CheckpointManager(root, 1, chkpt_on_preemption=False, lease_timeout_s=timeout)
+root, timeout, take_over = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "take_over"
+manager = CheckpointManager(
+    root, 1, chkpt_on_preemption=False, lease_timeout_s=timeout, take_over=take_over
+)
 manager.save(1, {"w": torch.full((4,), 1.0)})
 print("saved 1", flush=True)
 for line in sys.stdin:  # "save <step>" or "close"
@@ -53,12 +58,19 @@ for line in sys.stdin:  # "save <step>" or "close"
 class ManagerChild:
     """A child process that owns the root through its CheckpointManager."""
 
-    def __init__(self, root: Path, lease_timeout_s: float = 60.0) -> None:
+    def __init__(self, root: Path, lease_timeout_s: float = 60.0, take_over: bool = False) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
         for name in ("CKPTMGR_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
             env.pop(name, None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD_CODE, str(root), str(lease_timeout_s)],
+            [
+                sys.executable,
+                "-c",
+                CHILD_CODE,
+                str(root),
+                str(lease_timeout_s),
+                "take_over" if take_over else "respect",
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -176,6 +188,44 @@ def test_take_over_displaces_a_live_owner_whose_next_save_fails(
         assert owner_pid(root) == os.getpid()
     assert child.send("close") == "closed"
     assert not (root / LEASE_NAME).exists()
+
+
+def test_a_save_writing_when_its_lease_is_lost_commits_and_deletes_nothing(
+    root: Path, children: list[ManagerChild], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This job's save is still writing when another job takes the root over; once the
+    heartbeat has found the loss, the save commits nothing and retention (max_to_keep=1 here)
+    deletes none of the new owner's steps. It once committed and then deleted them."""
+    writing, release = threading.Event(), threading.Event()
+    original = dcp_io.save_tensors
+
+    def held_write(*args: Any, **kwargs: Any) -> Any:  # fault injection: a slow write
+        writing.set()
+        assert release.wait(BOUND_S), "the test never released the write"
+        return original(*args, **kwargs)
+
+    with manager(root, lease_timeout_s=0.4, max_to_keep=1) as victim:  # heartbeat every 0.1 s
+        assert victim.save(1, {"w": torch.full((4,), 1.0)})
+        monkeypatch.setattr(dcp_io, "save_tensors", held_write)
+        try:
+            assert victim.save_async(2, {"w": torch.full((4,), 2.0)})
+            assert writing.wait(BOUND_S)
+            thief = ManagerChild(root, take_over=True)  # commits its step 1 over ours
+            children.append(thief)
+            assert thief.send("save 5") == "saved 5"
+            deadline = time.monotonic() + BOUND_S
+            while victim._lease is not None and victim._lease._holding.lost is None:  # internal
+                assert time.monotonic() < deadline, "the heartbeat never found the loss"
+                time.sleep(0.05)  # polling the heartbeat thread's finding, bounded above
+        finally:
+            release.set()
+        with pytest.raises(CheckpointError, match="taken over"):
+            victim.join()
+    with CheckpointManager(root, 1, read_only=True, chkpt_on_preemption=False) as reader:
+        assert reader.all_steps() == [1, 5]  # the new owner's steps, and no step 2
+        restored = {"w": torch.zeros(4)}
+        reader.restore(5, restored)
+        assert torch.equal(restored["w"], torch.full((4,), 5.0))
 
 
 def test_read_only_use_needs_no_lease(root: Path, children: list[ManagerChild]) -> None:
