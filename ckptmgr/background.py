@@ -85,6 +85,9 @@ class _Worker:
                 future, run = job
                 if future.set_running_or_notify_cancel():
                     run()
+                # The last job's closure holds its manager: kept in this frame while idle, it
+                # would keep a manager dropped without close() (and this thread) alive.
+                del job, future, run
 
 
 class BackgroundWriter:

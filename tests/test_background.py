@@ -3,13 +3,16 @@ interpreter exit when a signal handler's exception interrupts ``save_async``."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO
 
 from ckptmgr import CheckpointManager
@@ -64,6 +67,25 @@ def test_shutdown_ends_the_thread_and_a_later_submit_starts_another() -> None:
     assert not [t for t in threading.enumerate() if t.name == "ckptmgr-writer" and t.is_alive()]
     assert writer.submit("second", lambda: 7).result(timeout=EXIT_TIMEOUT_S) is None
     writer.shutdown()
+
+
+def test_a_manager_dropped_without_close_is_collected_and_its_thread_ends(
+    tmp_path: Path,
+) -> None:
+    """The worker thread kept its last job (whose closure holds the manager) in its frame, so
+    a manager that had saved and was then dropped without close() was never collected, nor
+    did its thread (and, in process mode, its daemon) ever end."""
+    manager = CheckpointManager(tmp_path / "ckpts", save_interval=1, chkpt_on_preemption=False)
+    assert manager.save_async(1, {"w": torch.ones(8)})
+    manager.join()
+    thread = manager._writer._worker._thread  # internal: the manager's worker thread
+    assert thread is not None and thread.is_alive()
+    dropped = weakref.ref(manager)
+    del manager
+    gc.collect()
+    assert dropped() is None, gc.get_referrers(dropped())
+    thread.join(EXIT_TIMEOUT_S)
+    assert not thread.is_alive()
 
 
 def run_child(root: Path, mode: str) -> subprocess.CompletedProcess[str]:
