@@ -671,17 +671,28 @@ class CheckpointManager:
         """Join, stop the background thread and put back signal handlers. Idempotent."""
         if self._closed:
             return
+        # Interrupted here (Ctrl-C), saves are still running: nothing is released, and close()
+        # may be called again.
+        self._writer.shutdown()
         self._closed = True
-        try:
-            self._writer.shutdown()
-        finally:
-            if self._save_process is not None:
-                self._save_process.close()
-            if self._preemption is not None:
-                self._preemption.close()
-            if self._lease is not None:
-                self._lease.release()
+        first_error: Exception | None = None
+        for release in self._releases():  # each one, even after another failed
+            try:
+                release()
+            except Exception as exc:
+                log.error("closing the checkpoint manager: %s", exc, exc_info=exc)
+                first_error = first_error or exc
         self._writer.raise_first_error()
+        if first_error is not None:
+            raise first_error
+
+    def _releases(self) -> list[Callable[[], None]]:
+        """What close() releases after the last save: daemon, preemption sources, lease."""
+        parts: list[Any] = [self._save_process, self._preemption]
+        releases = [part.close for part in parts if part is not None]
+        if self._lease is not None:
+            releases.append(self._lease.release)
+        return releases
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -146,6 +146,7 @@ class SignalWatcher:
     def __init__(self, signal_names: list[str]) -> None:
         self._previous: dict[signal.Signals, _Handler] = {}
         self._pending = False
+        self._closed = False
         #: The first signal since the last :meth:`clear`, and when it arrived.
         self.received: signal.Signals | None = None
         self.received_at: float | None = None
@@ -163,6 +164,14 @@ class SignalWatcher:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._closed:  # closed off the main thread: put the handlers back now, and act as
+            previous = self._previous.get(signal.Signals(signum))  # the one before would
+            self._restore()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous is None or previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)  # the default action, now that it is back
+            return
         if not self._pending:
             self.received = signal.Signals(signum)
             self.received_at = time.time()
@@ -194,7 +203,14 @@ class SignalWatcher:
         self._pending = False
 
     def close(self) -> None:
-        """Put back the handlers that were installed before."""
+        """Put back the handlers that were installed before. Off the main thread, where Python
+        cannot set handlers, the first of these signals to arrive puts them back and is handled
+        as the handler before would have."""
+        self._closed = True
+        if threading.current_thread() is threading.main_thread():
+            self._restore()
+
+    def _restore(self) -> None:
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)

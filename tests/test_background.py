@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 import threading
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, run_python
 
-from ckptmgr import CheckpointManager
+from ckptmgr import CheckpointManager, dcp_io
 from ckptmgr.background import BackgroundWriter
 from ckptmgr.errors import CheckpointError
 
@@ -86,6 +88,89 @@ def test_a_manager_dropped_without_close_is_collected_and_its_thread_ends(
     assert dropped() is None, gc.get_referrers(dropped())
     thread.join(EXIT_TIMEOUT_S)
     assert not thread.is_alive()
+
+
+def test_an_interrupted_close_releases_nothing_and_a_second_close_finishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in close() while a save still writes: close() used to mark the manager closed and
+    release the lease (and stop the daemon) anyway, so the save committed without the lease and
+    a second close() did nothing. Now nothing is released and the second close() finishes."""
+    writing, release = threading.Event(), threading.Event()
+    original = dcp_io.save_tensors
+
+    def held_write(*args: Any, **kwargs: Any) -> Any:  # fault injection: a slow write
+        writing.set()
+        assert release.wait(EXIT_TIMEOUT_S), "the test never released the write"
+        return original(*args, **kwargs)
+
+    root = tmp_path / "ckpts"
+    manager = CheckpointManager(root, save_interval=1, chkpt_on_preemption=False)
+    monkeypatch.setattr(dcp_io, "save_tensors", held_write)
+    try:
+        assert manager.save_async(1, {"w": torch.ones(8)})
+        assert writing.wait(EXIT_TIMEOUT_S)
+        real_shutdown = manager._writer.shutdown  # internal: the wait close() begins with
+
+        def interrupted_shutdown() -> None:
+            raise KeyboardInterrupt  # as Ctrl-C arriving while close() waits
+
+        monkeypatch.setattr(manager._writer, "shutdown", interrupted_shutdown)
+        with pytest.raises(KeyboardInterrupt):
+            manager.close()
+        assert (root / "owner.json").exists()  # still this job's: the save is writing
+        monkeypatch.setattr(manager._writer, "shutdown", real_shutdown)
+    finally:
+        release.set()
+    manager.close()
+    assert not (root / "owner.json").exists()
+    with CheckpointManager(root, save_interval=1, read_only=True) as reader:
+        assert reader.all_steps() == [1]
+
+
+CLOSE_OFF_MAIN_CHILD = """
+import signal, sys, threading
+import torch
+from ckptmgr import CheckpointManager, PreemptionConfig
+
+def previous(signum, frame):
+    print("previous handler ran", flush=True)
+
+signal.signal(signal.SIGUSR1, previous)
+config = PreemptionConfig(signals=["SIGUSR1", "SIGTERM"], gce=False, aws=False, azure=False)
+manager = CheckpointManager(sys.argv[1], save_interval=1, preemption=config)
+manager.save(1, {"w": torch.ones(4)})
+errors = []
+def close_elsewhere():
+    try:
+        manager.close()
+    except BaseException as exc:
+        errors.append(repr(exc))
+closer = threading.Thread(target=close_elsewhere)
+closer.start()
+closer.join(60)
+print("closed", errors, flush=True)
+signal.raise_signal(signal.SIGUSR1)
+print("SIGUSR1 handler back:", signal.getsignal(signal.SIGUSR1) is previous, flush=True)
+signal.raise_signal(signal.SIGTERM)  # the default action: this process ends here
+print("SIGTERM did not end the process", flush=True)
+"""
+
+
+def test_close_from_another_thread_releases_all_and_signals_act_as_before(
+    tmp_path: Path,
+) -> None:
+    """close() off the main thread, where Python cannot set signal handlers, used to raise
+    ValueError and leave the lease and the preemption threads behind. It now releases all, and
+    the first such signal puts the earlier handlers back and acts as they would."""
+    root = tmp_path / "ckpts"
+    result = run_python(CLOSE_OFF_MAIN_CHILD, str(root), timeout=EXIT_TIMEOUT_S)
+    lines = result.stdout.splitlines()
+    assert lines[:3] == ["closed []", "previous handler ran", "SIGUSR1 handler back: True"], (
+        result.stdout + result.stderr[-3000:]
+    )
+    assert result.returncode == -signal.SIGTERM, result.stdout + result.stderr[-3000:]
+    assert not (root / "owner.json").exists()
 
 
 def run_child(root: Path, mode: str) -> subprocess.CompletedProcess[str]:
