@@ -341,9 +341,23 @@ class CheckpointManager:
             keep_error=False,
             cleanup=lambda: self._abandon(request),
         )
-        future.result()
+        try:
+            future.result()
+        except BaseException as exc:
+            if not (future.done() and future.exception() is exc):  # interrupted (Ctrl-C): the
+                future.add_done_callback(self._keep_failure)  # save goes on; a failure is kept
+            raise
         self._exit_if_preemption_answered()
         return True
+
+    def _keep_failure(self, future: Any) -> None:
+        """Keep the failure of a synchronous save whose caller stopped waiting, for join()."""
+        error = future.exception()
+        if error is not None:
+            log.error("a save whose wait was interrupted failed: %s", error)
+            if not isinstance(error, CheckpointError):
+                error = CheckpointError(f"a save failed: {error!r}")
+            self._writer.record_error(error)
 
     @gc_paused()  # many small objects: see ckptmgr.gc_pause
     def save_async(

@@ -173,6 +173,65 @@ def test_close_from_another_thread_releases_all_and_signals_act_as_before(
     assert not (root / "owner.json").exists()
 
 
+INTERRUPTED_SAVE_CHILD = """
+import signal, sys, threading, time
+import torch
+from ckptmgr import CheckpointError, CheckpointManager, dcp_io
+
+writing, release = threading.Event(), threading.Event()
+
+def failing_write(*args, **kwargs):  # fault injection: a write that fails once let go
+    writing.set()
+    release.wait(60)
+    raise OSError(28, "No space left on device (injected)")
+
+dcp_io.save_tensors = failing_write
+manager = CheckpointManager(sys.argv[1], save_interval=1, chkpt_on_preemption=False)
+main = threading.main_thread()
+
+def interrupt():  # Ctrl-C once the main thread waits for the save's result
+    writing.wait(60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(main.ident)
+        names = []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        if "result" in names:
+            break
+        time.sleep(0.01)
+    signal.pthread_kill(main.ident, signal.SIGINT)
+
+threading.Thread(target=interrupt).start()
+try:
+    manager.save(1, {"w": torch.ones(4)})
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+release.set()
+try:
+    manager.join()
+    print("join: no error", flush=True)
+except CheckpointError as error:
+    text = str(error) + repr(error.__cause__)
+    print("join raised:", "No space left" in text, flush=True)
+manager.close()
+print("steps", manager.all_steps(), flush=True)
+"""
+
+
+def test_the_failure_of_an_interrupted_synchronous_save_is_raised_by_join(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C while save() waits stops the wait, not the write. If the write then fails, join()
+    raises it (it was lost: a synchronous save hands its failure to its waiting caller only)."""
+    result = run_python(INTERRUPTED_SAVE_CHILD, str(tmp_path / "ckpts"), timeout=EXIT_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["interrupted", "join raised: True", "steps []"], (
+        result.stdout + result.stderr[-3000:]
+    )
+
+
 def run_child(root: Path, mode: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
     return subprocess.run(
