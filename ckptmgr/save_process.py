@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import signal
 import socket
 import threading
 from typing import Any
@@ -34,6 +35,11 @@ CHECKSUMS_ATTRIBUTE = "ckptmgr_checksums"
 """Attribute of the returned DCP metadata: file name -> (size, CRC-32) of what the daemon wrote."""
 
 _EXIT_WAIT_S = 5.0  # a daemon whose pipe broke is given this long to be gone
+DAEMON_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+"""Signals the daemon ignores (from the start of its entry function): a scheduler's preemption
+notice or Ctrl-C sent to the whole process group is the training process's to handle, and would
+otherwise kill the daemon with the save in flight (and the preemption save would wait for a new
+one). The daemon ends when the training process asks it to, or is killed (SIGKILL)."""
 
 try:
     from torch.distributed.checkpoint._async_process_executor import (
@@ -48,7 +54,8 @@ except ImportError:  # pragma: no cover - torch without process-based async chec
 if _AsyncCheckpointProcess is not None:
 
     class _CheckpointProcess(_AsyncCheckpointProcess):  # type: ignore[misc,valid-type]
-        """DCP's checkpoint daemon, with two changes made inside the daemon: its logging stays
+        """DCP's checkpoint daemon, with three changes made inside the daemon: it ignores
+        :data:`DAEMON_IGNORED_SIGNALS`, its logging stays
         at WARNING (DCP's sets the daemon's root logger to INFO: three lines on stderr for
         every save), and its gloo group times out after ``ckptmgr_timeout_s`` (set on the
         init info), so a daemon whose partner died fails its save instead of waiting for
@@ -56,6 +63,8 @@ if _AsyncCheckpointProcess is not None:
 
         @staticmethod
         def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
+            for signum in DAEMON_IGNORED_SIGNALS:  # process-wide, whichever thread gets one
+                signal.signal(signum, signal.SIG_IGN)
             import datetime
             import functools
 
@@ -149,7 +158,11 @@ class SaveProcess:
         daemon, self._daemon = self._daemon, None
         self._failed = False
         if daemon is not None:
-            daemon.__del__()  # DCP's shutdown: TERMINATE, join(5), then SIGTERM
+            daemon.__del__()  # DCP's shutdown: TERMINATE, join(5), then SIGTERM (ignored)
+            process = daemon._save_process
+            if process.is_alive():  # it did not stop when asked: SIGKILL
+                process.kill()
+                process.join(_EXIT_WAIT_S)
 
     def _replace(self) -> None:
         daemon = self._daemon

@@ -485,6 +485,40 @@ def test_daemon_killed_during_a_save_fails_that_save_only(ckpt_dir: Path) -> Non
             assert differences(target, saved, f"step {step}") == []
 
 
+def test_signals_to_the_whole_process_group_leave_the_daemon_and_its_save_alone(
+    ckpt_dir: Path,
+) -> None:
+    """A scheduler's preemption SIGTERM, or Ctrl-C's SIGINT, sent to the process group reaches
+    the daemon too; they are the training process's to handle. They once killed the daemon
+    with the save in flight (and the preemption save then waited for a new daemon)."""
+    first = tensor_state(41, "base")
+    in_flight = tensor_state(42, "base")
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, {"tensors": first})
+        mgr.join()
+        daemon = daemon_of(mgr)
+        assert daemon.pid is not None
+        os.kill(daemon.pid, signal.SIGSTOP)  # so that the save is certainly in flight in it
+        try:
+            assert mgr.save_async(2, {"tensors": in_flight})
+            deadline = time.monotonic() + POLL_TIMEOUT_S
+            while not _thread_waits_in("_wait_for_response", "ckptmgr-writer"):
+                assert time.monotonic() < deadline, "the save never reached the daemon"
+                time.sleep(0.01)
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+                os.kill(daemon.pid, signum)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        mgr.join()
+        assert daemon.is_alive() and save_process_of(mgr).pid == daemon.pid
+        assert mgr.all_steps() == [1, 2]
+        target = zeros_like_state(in_flight)
+        mgr.restore(2, {"tensors": target})
+        assert differences(target, in_flight, "step 2") == []
+        mgr.close()
+        assert not daemon.is_alive(), "close() no longer stops the daemon"
+
+
 # -- 4. close() stops the daemon -------------------------------------------------------------------
 def test_close_stops_the_daemon_after_the_pending_save(ckpt_dir: Path) -> None:
     state = {"tensors": tensor_state(31, "base")}
