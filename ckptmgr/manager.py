@@ -394,7 +394,7 @@ class CheckpointManager:
 
         try:
             self._writer.raise_first_error()  # a save we waited for may just have failed
-            request.tensors = self._stage(buffers, request.tensors)
+            request.tensors = self._stage(step, buffers, request.tensors)
             request.packed = buffers.packed
             request.staged = True
             request.release_staging = release_staging
@@ -415,20 +415,47 @@ class CheckpointManager:
         return True
 
     def _stage(
-        self, buffers: StagingBuffers, tensors: dict[str, torch.Tensor]
+        self, step: int, buffers: StagingBuffers, tensors: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Stage ``tensors``, small ones into one pack (ckptmgr.packing) when every rank lays
-        out the same pack; collective under torch.distributed."""
-        staged = buffers.stage(tensors, pack=self._pack_filter)
-        if self._comm.distributed and self._pack_filter is not None:
-            if not self._packs_agree(buffers.pack_fingerprint, self._comm.control_group):
-                staged = buffers.stage(tensors, pack=None)
-        return staged
+        out the same pack.
 
-    def _packs_agree(self, fingerprint: str | None, group: Any) -> bool:
+        Collective under torch.distributed: the ranks agree that every copy succeeded, so a
+        copy that fails on one rank fails the save on all of them (a rank that raised alone
+        would meet its peers' collectives of this save with those of its next one).
+        """
+        pack = self._pack_filter
+        while True:
+            error: Exception | None = None
+            staged: dict[str, torch.Tensor] = {}
+            try:
+                staged = buffers.stage(tensors, pack=pack)
+            except Exception as exc:
+                if not self._comm.distributed:
+                    raise
+                error = exc
+            if not self._comm.distributed:
+                return staged
+            fingerprint = buffers.pack_fingerprint if pack is not None and error is None else None
+            gathered = self._comm.all_gather(
+                (_describe(error), fingerprint), self._comm.control_group
+            )
+            if error is not None:
+                raise error
+            failed = {rank: text for rank, (text, _) in enumerate(gathered) if text is not None}
+            if failed:
+                described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
+                raise CheckpointError(
+                    f"step {step} was not saved: copying the state failed on another rank "
+                    f"({described})"
+                )
+            if pack is None or self._packs_agree([fp for _, fp in gathered]):
+                return staged
+            pack = None  # the ranks' packs differ: stage again, each tensor on its own
+
+    def _packs_agree(self, fingerprints: list[str | None]) -> bool:
         """True when every rank has the same pack layout; else packing stops for good (the
         ranks' replicated small tensors differ in names or shapes: each is stored on its own)."""
-        fingerprints = self._comm.all_gather(fingerprint, group)
         if None not in fingerprints and len(set(fingerprints)) == 1:
             return True
         if self._pack_filter is not None:
@@ -481,22 +508,27 @@ class CheckpointManager:
         """Write, commit and prune one step; runs on the background thread of every rank."""
         comm, storage, group = self._comm, self._storage, self._comm.background_group
         step = request.step
-        prepared: tuple[str, str | None] = ("", None)
+        prepared: tuple[str, str | None, int] = ("", None, step)
         if comm.is_coordinator:
             save_id = uuid.uuid4().hex[:16]
             try:
                 if self._lease is not None:
                     self._lease.check()  # another job took the root over: write nothing
                 storage.prepare_write_dir(storage.write_dir(step, save_id))
-                prepared = (save_id, None)
+                prepared = (save_id, None, step)
             except Exception as exc:
-                prepared = (save_id, f"{type(exc).__name__}: {exc}")
-        save_id, prepare_error = comm.broadcast(prepared, group)
+                prepared = (save_id, f"{type(exc).__name__}: {exc}", step)
+        save_id, prepare_error, coordinator_step = comm.broadcast(prepared, group)
         if prepare_error is not None:
             raise CheckpointError(f"could not prepare step {step}: {prepare_error}")
-        write_dir = storage.write_dir(step, save_id)
+        write_dir = storage.write_dir(coordinator_step, save_id)
 
         local_error: BaseException | None = None
+        if coordinator_step != step:  # a save made on some ranks only: commit none of it
+            local_error = CheckpointError(
+                f"rank {comm.rank} saves step {step} while rank 0 saves step "
+                f"{coordinator_step}: every rank must make the same saves"
+            )
         # name -> (size, CRC-32) of every file this rank wrote, computed while writing it
         checksums: dict[str, tuple[int, int]] = {}
         try:
@@ -507,7 +539,7 @@ class CheckpointManager:
                 f"{write_dir}/{objects_name}", request.objects
             )
         except Exception as exc:
-            local_error = exc
+            local_error = local_error or exc
         dcp_metadata = None
         writer = None
         in_daemon = self._save_process is not None and request.staged
@@ -596,7 +628,9 @@ class CheckpointManager:
         except Exception:  # every rank must reach the agreement; this one stores unpacked
             log.exception("packing small tensors failed; storing each on its own")
             packed, placed = tensors, {}
-        if self._comm.distributed and not self._packs_agree(fingerprint, group):
+        if self._comm.distributed and not self._packs_agree(
+            self._comm.all_gather(fingerprint, group)
+        ):
             return tensors, {}
         return packed, placed
 

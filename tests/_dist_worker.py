@@ -14,6 +14,8 @@ with the repository root on ``PYTHONPATH``. Scenarios:
 * ``preempt <ckpt_dir>``: a training loop (one training all_reduce per step) in which rank 1
   alone gets a real SIGTERM from the test, after it wrote ``<out_dir>/rank1.pid``; both ranks
   must save the same step, once, and stop there.
+* ``diverge <ckpt_dir>``: saves that go wrong on one rank only (a failed copy on rank 1; a
+  different step on each rank) must fail on both and commit nothing.
 * ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
   single-process manager lists the steps the 2-rank jobs wrote and restores the replicated state.
 
@@ -493,6 +495,55 @@ def scenario_mismatch(rank: int, ckpt_dir: str) -> dict[str, Any]:
     return record
 
 
+def scenario_diverge(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """Saves that go wrong on one rank only: rank 1's copy of step 1 fails (``save_async``), then
+    the ranks call ``save`` with different steps (3 on rank 0, 4 on rank 1). Each must fail on
+    both ranks and commit nothing; the saves in between and after (2, 5) must commit and restore."""
+    import torch
+
+    from ckptmgr import CheckpointManager
+    from ckptmgr.staging import StagingBuffers
+
+    def state_at(step: int) -> dict[str, Any]:  # packed small tensors and a per-rank value
+        return {
+            "w": torch.arange(10.0) + step,
+            "b": torch.full((3,), float(step)),
+            "r": PerRank(torch.full((5,), float(100 * rank + step))),
+        }
+
+    original_stage = StagingBuffers.stage
+    copies: list[int] = []
+
+    def stage_failing_once_on_rank_1(self: StagingBuffers, *args: Any, **kwargs: Any) -> Any:
+        copies.append(1)
+        if rank == 1 and len(copies) == 1:
+            raise MemoryError("injected on rank 1: no memory for the copy")
+        return original_stage(self, *args, **kwargs)
+
+    StagingBuffers.stage = stage_failing_once_on_rank_1  # type: ignore[method-assign]
+    record: dict[str, Any] = {}
+    with CheckpointManager(
+        ckpt_dir, 1, collective_timeout_s=COLLECTIVE_TIMEOUT_S, chkpt_on_preemption=False
+    ) as manager:
+        record["copy_failure"] = _call(lambda: manager.save_async(1, state_at(1)))[1]
+        record["join_after_copy_failure"] = _call(manager.join)[1]
+        record["steps_after_copy_failure"] = manager.all_steps()
+        record["retry"] = _call(lambda: manager.save_async(2, state_at(2)))
+        record["join_after_retry"] = _call(manager.join)[1]
+        different = 3 if rank == 0 else 4
+        record["different_steps"] = _call(lambda: manager.save(different, state_at(different)))[1]
+        record["steps_after_different_steps"] = manager.all_steps()
+        record["after"] = _call(lambda: manager.save(5, state_at(5)))
+        record["steps"] = manager.all_steps()
+        record["differences"] = []
+        for step in (2, 5):
+            fresh = {"w": torch.zeros(10), "b": torch.zeros(3), "r": PerRank(torch.zeros(5))}
+            manager.restore(step, fresh)
+            record["differences"].append(first_difference(fresh, state_at(step)))
+    record["disk"] = _disk_steps(ckpt_dir)
+    return record
+
+
 def scenario_single(ckpt_dir: str) -> dict[str, Any]:
     """A plain single process (no torch.distributed) on the directory the 2-rank jobs wrote."""
     import torch.distributed as dist
@@ -550,6 +601,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_preempt(rank, *paths, out_dir))
         elif scenario == "mismatch":
             record.update(scenario_mismatch(rank, *paths))
+        elif scenario == "diverge":
+            record.update(scenario_diverge(rank, *paths))
         elif scenario == "single":
             record.update(scenario_single(*paths))
         else:

@@ -369,6 +369,38 @@ def test_ranks_whose_small_tensors_differ_store_them_unpacked(dirs: dict[str, Pa
         assert record["differences"] == [None, None, None], f"rank {rank}"
 
 
+def test_a_save_that_fails_on_one_rank_fails_on_both_and_they_stay_in_step(
+    dirs: dict[str, Path],
+) -> None:
+    """A copy that fails on rank 1 alone fails that save_async on both ranks (rank 0 names rank
+    1's error), and ``save`` called with a different step on each rank commits neither: a rank
+    left out of a save would otherwise meet its peers' collectives with those of its next save,
+    and a commit would hold one rank's data of one step under another step's number."""
+    launch = _torchrun("diverge", dirs["out"], dirs["ckpt"].parent / "diverge")
+    records = launch.checked_records(NPROC)
+    for rank, record in records.items():
+        where = f"rank {rank}"
+        failure = record["copy_failure"]
+        assert failure is not None, where
+        if rank == 1:
+            assert failure["type"] == "MemoryError", where
+        else:
+            assert failure["is_checkpoint_error"], where
+            assert "step 1" in failure["message"] and "rank 1: MemoryError" in failure["message"]
+        assert record["join_after_copy_failure"] is None, where
+        assert record["steps_after_copy_failure"] == [], where
+        assert record["retry"] == [True, None], where
+        assert record["join_after_retry"] is None, where
+        different = record["different_steps"]
+        assert different is not None and different["is_checkpoint_error"], where
+        assert "rank 0 saves step 3" in (different["message"] + str(different["cause"])), where
+        assert record["steps_after_different_steps"] == [2], where
+        assert record["after"] == [True, None], where
+        assert record["steps"] == [2, 5], where
+        assert record["differences"] == [None, None], where
+        assert record["disk"] == _step_dirs([2, 5]), where
+
+
 # -- 4. save and retention policies across ranks and runs ------------------------------------------
 @pytest.fixture(scope="module")
 def policies(dirs: dict[str, Path]) -> Launch:
