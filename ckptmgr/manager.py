@@ -171,6 +171,9 @@ class CheckpointManager:
         self._in_flight: set[int] = set()
         self._preemption_claimed: int | None = None
         self._preemption_reached: int | None = None
+        # Steps restore_latest found damaged, listed no more even where the quarantine marker
+        # could not be written (or, with read_only, was not).
+        self._damaged: set[int] = set()
         listed: list[int] = []
         # One writing job per root: rank 0 holds the owner lease for the job (see lease.py).
         self._lease: OwnerLease | None = None
@@ -595,8 +598,9 @@ class CheckpointManager:
             raise error from (local_error or commit_error)
 
         with self._lock:
+            self._damaged.discard(step)  # saved anew
             if outcome.listed is not None:  # storage's view, so other writers' changes show
-                self._committed = set(outcome.listed)
+                self._committed = set(outcome.listed) - self._damaged
             self._committed.add(step)
             self._committed.difference_update(outcome.deleted)
             answered_preemption = self._preemption_claimed == step
@@ -885,26 +889,65 @@ class CheckpointManager:
         """
         self._check_open()
         self._writer.wait()
-        for step in reversed(self.all_steps()):
+        tried: set[int] = set()
+        while True:
+            left = [step for step in self._list_from_storage() if step not in tried]
+            if not left:
+                break
+            step = left[-1]
+            tried.add(step)
             try:
                 self.restore(step, state_dict)
-            except CorruptCheckpointError as exc:
-                self._quarantine(step, exc)
-                continue
+            except CheckpointError as exc:
+                if step not in self._list_from_storage():  # another job's retention deleted it
+                    log.warning(
+                        "step %d was deleted while it was being restored (%s); trying the "
+                        "newest step left",
+                        step,
+                        exc,
+                    )
+                    continue
+                if isinstance(exc, CorruptCheckpointError):
+                    self._quarantine(step, exc)
+                    continue
+                raise
             return step
         log.warning("no intact committed checkpoint under %s", self.config.path)
         return None
 
-    def _quarantine(self, step: int, error: CorruptCheckpointError) -> None:
-        """Mark ``step`` damaged in storage (rank 0) and stop listing it (every rank)."""
-        log.error("step %d is damaged and is quarantined: %s", step, error)
+    def _list_from_storage(self) -> list[int]:
+        """The committed steps as storage lists them now (rank 0's listing on every rank), which
+        the manager then lists too: steps another job committed or deleted since it looked."""
+        listed: list[int] = []
+        error: str | None = None
         if self._comm.is_coordinator:
+            try:
+                listed = self._storage.committed_steps()
+            except Exception as exc:
+                error = _describe(exc)
+        group = self._comm.background_group if self._comm.distributed else None
+        listed, error = self._comm.broadcast((listed, error), group)
+        if error is not None:
+            raise CheckpointError(f"could not list the steps under {self.config.path}: {error}")
+        with self._lock:
+            self._committed = set(listed) - self._damaged
+            return sorted(self._committed)
+
+    def _quarantine(self, step: int, error: CorruptCheckpointError) -> None:
+        """Mark ``step`` damaged in storage (rank 0; not with ``read_only``) and stop listing it
+        (every rank)."""
+        if self.config.read_only:
+            log.error("step %d is damaged and is skipped (read_only: not marked): %s", step, error)
+        else:
+            log.error("step %d is damaged and is quarantined: %s", step, error)
+        if self._comm.is_coordinator and not self.config.read_only:
             try:
                 self._storage.quarantine(step, str(error))
             except Exception as exc:  # still skipped by this manager; retried by the next one
                 log.error("could not record the quarantine of step %d: %s", step, exc)
         with self._lock:
             self._committed.discard(step)
+            self._damaged.add(step)
 
     def verify(self, step: int, deep: bool = False) -> None:
         """Check the files of a committed (or quarantined) step against its commit record.

@@ -271,6 +271,82 @@ def test_restore_latest_quarantines_an_unparseable_record(root: str) -> None:
     assert CheckpointStorage(root).quarantined_steps() == [2]
 
 
+def reader(root: str) -> CheckpointManager:
+    return CheckpointManager(root, 1, chkpt_on_preemption=False, read_only=True)
+
+
+def step_exists(root: str, step: int) -> bool:
+    storage = CheckpointStorage(root)
+    return bool(storage.fs.exists(storage.step_path(step)))
+
+
+def test_restore_latest_of_a_reader_finds_the_writers_newer_steps(root: str) -> None:
+    """A read_only manager opened while step 1 was the newest restores the writer's step 2,
+    though the writer's retention deleted step 1 since (the reader used to fail on step 1's
+    missing commit record)."""
+    with CheckpointManager(root, 1, max_to_keep=1, chkpt_on_preemption=False) as writer:
+        writer.save(1, state_of(1))
+        with reader(root) as follower:
+            assert follower.all_steps() == [1]
+            writer.save(2, state_of(2))
+            assert not step_exists(root, 1)
+            state = empty_state()
+            assert follower.restore_latest(state) == 2
+            assert_state_of(state, 2)
+            assert follower.all_steps() == [2]
+    assert not step_exists(root, 1)
+    assert CheckpointStorage(root).quarantined_steps() == []
+
+
+def test_a_step_deleted_while_restore_latest_reads_it_is_skipped_not_quarantined(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When another job deletes the step being restored, restore_latest goes on to the next
+    step; it does not take the missing files for damage and writes no quarantine marker into
+    the deleted step (which would bring back its directory)."""
+    with manager(root) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_of(step))
+    original_read_objects = CheckpointStorage.read_objects
+    deleted: list[int] = []
+
+    def read_objects_after_a_deletion(
+        self: CheckpointStorage, step: int, *args: object, **kwargs: object
+    ) -> dict[str, object]:
+        if step == 2 and not deleted:  # another job's retention, between listing and reading
+            deleted.append(step)
+            self.fs.rm(self.step_path(step), recursive=True)
+        return original_read_objects(self, step, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CheckpointStorage, "read_objects", read_objects_after_a_deletion)
+    with manager(root) as mgr:
+        state = empty_state()
+        assert mgr.restore_latest(state) == 1
+        assert_state_of(state, 1)
+        assert mgr.all_steps() == [1]
+    assert deleted == [2]
+    assert not step_exists(root, 2)
+    assert CheckpointStorage(root).quarantined_steps() == []
+
+
+def test_a_read_only_restore_latest_skips_a_damaged_step_without_marking_it(root: str) -> None:
+    """read_only writes nothing to storage: a damaged step is skipped and no longer listed by
+    that manager, but not quarantined in storage."""
+    with manager(root) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_of(step))
+    flip_bit(root, 2, distcp_name(root, 2))
+    with reader(root) as follower:
+        for _ in range(2):
+            state = empty_state()
+            assert follower.restore_latest(state) == 1
+            assert_state_of(state, 1)
+            assert follower.all_steps() == [1]
+    storage = CheckpointStorage(root)
+    assert storage.committed_steps() == [1, 2]
+    assert storage.quarantined_steps() == []
+
+
 # -- safe loading ------------------------------------------------------------------------------
 
 
