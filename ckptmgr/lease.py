@@ -5,13 +5,14 @@ each other's checkpoints through retention. The lease detects this. The writing 
 record, ``owner.json``, at the root::
 
     {"format_version": 1, "job_id": "...", "host": "...", "boot_id": "...", "pid": 1234,
-     "pid_start": "...", "lease_id": "...", "acquired_at": 1700000000.0,
-     "heartbeat": 1700000030.0, "timeout_s": 60.0}
+     "pid_start": "...", "pid_ns": "pid:[4026531836]", "lease_id": "...",
+     "acquired_at": 1700000000.0, "heartbeat": 1700000030.0, "timeout_s": 60.0}
 
 * **Acquire.** With no record, the record is written create-only (``O_EXCL`` locally, a
   conditional write on object stores that support it). A record of another job makes
   :meth:`OwnerLease.acquire` raise :class:`LeaseHeldError` naming the owner, unless the owner is
-  **dead** (same host, and its pid no longer exists or is now another process), its heartbeat is
+  **dead** (same host and PID namespace, and its pid no longer exists or is now another
+  process; containers on one host may share its name and boot id), its heartbeat is
   **stale** (older than ``timeout_s``, and than the ``timeout_s`` in the owner's record, by which
   it refreshes its heartbeat), it belongs to the **same job** (a restart of the same
   ``job_id``, such as a torchelastic restart), or ``take_over=True``. Taking over rewrites the
@@ -88,6 +89,7 @@ class Owner:
     acquired_at: float
     heartbeat: float
     timeout_s: float
+    pid_ns: str | None = None  # the PID namespace the pid is of (Linux), else None
     format_version: int = LEASE_FORMAT_VERSION
 
     def to_json(self) -> bytes:
@@ -110,6 +112,7 @@ class Owner:
                 acquired_at=float(raw["acquired_at"]),
                 heartbeat=float(raw["heartbeat"]),
                 timeout_s=float(raw.get("timeout_s", DEFAULT_TIMEOUT_S)),
+                pid_ns=None if raw.get("pid_ns") is None else str(raw["pid_ns"]),
                 format_version=int(raw.get("format_version", LEASE_FORMAT_VERSION)),
             )
         except (KeyError, TypeError) as exc:
@@ -131,6 +134,8 @@ class Owner:
         """True when the owner ran on this host and its process is gone (or the pid reused)."""
         if not self.same_host():
             return False
+        if self.pid_ns is not None and self.pid_ns != _pid_namespace():
+            return False  # another container on this host: its pid means nothing here
         if not _pid_exists(self.pid):
             return True
         start = _pid_start(self.pid)
@@ -146,7 +151,8 @@ def default_job_id() -> str:
         value = os.environ.get(name)
         if value:
             return f"{name}={value}"
-    return f"process:{socket.gethostname()}:{os.getpid()}:{_pid_start(os.getpid()) or ''}"
+    start = _pid_start(os.getpid()) or ""
+    return f"process:{socket.gethostname()}:{_pid_namespace() or ''}:{os.getpid()}:{start}"
 
 
 def read_owner(fs: AbstractFileSystem, root: str) -> Owner | None:
@@ -326,6 +332,7 @@ class OwnerLease:
             boot_id=_boot_id(),
             pid=os.getpid(),
             pid_start=_pid_start(os.getpid()),
+            pid_ns=_pid_namespace(),
             lease_id=uuid.uuid4().hex,
             acquired_at=now,
             heartbeat=now,
@@ -466,6 +473,14 @@ def _proc_stat(pid: int) -> list[str] | None:
     except OSError:
         return None
     return stat.rpartition(")")[2].split()
+
+
+def _pid_namespace() -> str | None:
+    """This process's PID namespace (``pid:[<inode>]``, Linux), else None."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _boot_id() -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -58,11 +59,17 @@ class LeaseChild:
     """A child interpreter running CHILD_CODE; its first stdout line says what it got."""
 
     def __init__(
-        self, root: Path, job_id: str = "", take_over: bool = False, interval_s: float = 15.0
+        self,
+        root: Path,
+        job_id: str = "",
+        take_over: bool = False,
+        interval_s: float = 15.0,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
         self.proc = subprocess.Popen(
             [
+                *prefix,
                 sys.executable,
                 "-c",
                 CHILD_CODE,
@@ -222,6 +229,65 @@ def test_killed_but_unreaped_owner_counts_as_dead(root: Path, children: list[Lea
         time.sleep(0.01)
     with lease_of(root, job_id="job-B") as lease:
         assert lease.previous is not None and lease.previous.pid == child.proc.pid
+
+
+# unshare(1) as an unprivileged user maps it to root in a new user namespace (--map-root-user).
+NEW_PID_NAMESPACE = ("unshare", "--pid", "--fork", "--map-root-user", "--mount-proc")
+
+
+def _can_unshare() -> bool:
+    try:
+        done = subprocess.run([*NEW_PID_NAMESPACE, "true"], capture_output=True, timeout=BOUND_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="unshare(1) cannot make a PID namespace here")
+def test_a_live_owner_in_another_pid_namespace_is_not_taken_for_dead(
+    root: Path, children: list[LeaseChild]
+) -> None:
+    """A container on the same host may share its host name and boot id (host networking):
+    its owner's pid, of its own PID namespace, names no process or another one here, and must
+    not make a live owner look dead."""
+    child = LeaseChild(root, job_id="job-A", prefix=NEW_PID_NAMESPACE)
+    children.append(child)
+    word, details = child.first_line()
+    assert word == "held", details
+    owner = read_owner(LocalFileSystem(), str(root))
+    assert owner is not None and owner.pid == details["pid"]
+    assert owner.pid_ns is not None and owner.pid_ns != os.readlink("/proc/self/ns/pid")
+    with pytest.raises(LeaseHeldError):
+        lease_of(root, job_id="job-B").acquire()
+    assert record(root)["job_id"] == "job-A"
+
+
+def test_an_owner_record_of_another_pid_namespace_waits_for_its_heartbeat(root: Path) -> None:
+    """An owner on this host whose pid does not exist here is dead only when the record is of
+    this process's PID namespace (or says none, as older records); else its heartbeat decides."""
+    from ckptmgr.lease import _boot_id
+
+    here = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": _unused_pid()}
+    write_record(root, **here, pid_ns="pid:[1]")
+    with pytest.raises(LeaseHeldError):
+        lease_of(root, job_id="me").acquire()
+    write_record(root, **here, pid_ns="pid:[1]", heartbeat=time.time() - 120)
+    with lease_of(root, job_id="me") as lease:  # stale: taken over
+        assert lease.previous is not None and lease.previous.pid_ns == "pid:[1]"
+    for pid_ns in (os.readlink("/proc/self/ns/pid"), None):
+        write_record(root, **here, pid_ns=pid_ns)
+        with lease_of(root, job_id="me") as lease:  # dead: taken over at once
+            assert lease.previous is not None and lease.previous.job_id == "other-job"
+
+
+def _unused_pid() -> int:
+    """A pid that no process has now (above every running pid, below pid_max)."""
+    highest = max(int(name) for name in os.listdir("/proc") if name.isdigit())
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    for pid in range(highest + 1000, pid_max):
+        if not Path(f"/proc/{pid}").exists():
+            return pid
+    raise AssertionError("no free pid")
 
 
 def test_released_lease_is_free_for_the_next_process(
