@@ -340,6 +340,9 @@ class OwnerLease:
         )
 
     def _key(self) -> str:
+        """One key per record: a local root reached through a symlink is the same root."""
+        if isinstance(self.fs, LocalFileSystem):
+            return os.path.realpath(self.path)
         return self.fs.unstrip_protocol(self.path)
 
     def refresh(self) -> None:

@@ -424,6 +424,22 @@ def test_handles_in_one_process_share_the_lease(root: Path) -> None:
     second.release()  # idempotent
 
 
+def test_handles_on_one_root_through_a_symlink_share_the_lease(root: Path, tmp_path: Path) -> None:
+    """A second manager of this process on the same root under another path (a symlink) shares
+    the first one's lease: it used to take it over as "the same job restarting", and the first
+    manager lost it at its next heartbeat."""
+    link = tmp_path / "link"
+    link.symlink_to(root)
+    first, second = lease_of(root, job_id="job-A"), lease_of(link, job_id="job-A")
+    a = first.acquire()
+    b = second.acquire()
+    assert b.lease_id == a.lease_id and second.previous is None
+    first.release()
+    assert record(root)["lease_id"] == a.lease_id, "released while another handle holds it"
+    second.release()
+    assert not (root / LEASE_NAME).exists()
+
+
 def test_lease_on_an_fsspec_store() -> None:
     """Non-local stores take the create-only write path; memory:// stands in for them."""
     fs = fsspec.filesystem("memory")
