@@ -402,6 +402,7 @@ class _RawTensorReader:
     raw: bool = False
     _chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]
     _shared: set[int]  # ids of the read items whose destinations overlap another's
+    _shared_copy: threading.Lock  # held while copying into such a destination
 
     def set_up_storage_reader(
         self, metadata: dcp_metadata.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -422,6 +423,7 @@ class _RawTensorReader:
         # an overlapping destination (even one of another file) would change first.
         targets = [planner.resolve_tensor(request) for request in plan.items]
         self._shared = {id(plan.items[i]) for i in tensor_bytes.overlapping(targets)}
+        self._shared_copy = threading.Lock()
         del targets
         per_file: dict[str, list[ReadItem]] = {}
         for request in plan.items:
@@ -481,7 +483,11 @@ class _RawTensorReader:
                         f"{request.storage_index.fqn!r}: stored piece {list(piece.size())} does "
                         f"not fit the destination {list(target.size())}"
                     )
-                target.copy_(piece)
+                if id(request) in self._shared:  # files are read in parallel: one whole
+                    with self._shared_copy:  # copy into overlapping memory at a time
+                        target.copy_(piece)
+                else:
+                    target.copy_(piece)
                 planner.commit_tensor(request, target)
 
 

@@ -834,6 +834,51 @@ def test_destinations_sharing_memory_restore_without_a_false_crc_error(
     assert torch.equal(tied, stored["a"]) or torch.equal(tied, stored["b"])
 
 
+def test_parallel_reads_copy_into_one_shared_destination_one_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two stored tensors in two data files, restored into one tensor under both keys: the two
+    files are read on two threads, and their copies into that memory must not interleave (the
+    destination held the head of one stored value and the tail of the other, which CI caught).
+    Fault injection: the first copy into the shared memory waits, bounded, for a second one to
+    start; without the ordering it does, and the test sees the overlap."""
+    stored = {"a": torch.randn(1 << 18), "b": torch.randn(1 << 18)}
+    tied = torch.zeros(1 << 18)
+    original_copy = torch.Tensor.copy_
+    guard = threading.Lock()
+    second_started = threading.Event()
+    copies = {"active": 0, "most_at_once": 0, "count": 0}
+
+    def watching_copy(self: torch.Tensor, src: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        if self.data_ptr() != tied.data_ptr() or threading.current_thread().name == "MainThread":
+            return original_copy(self, src, *args, **kw)
+        with guard:
+            copies["active"] += 1
+            copies["count"] += 1
+            copies["most_at_once"] = max(copies["most_at_once"], copies["active"])
+            first = copies["count"] % 2 == 1
+        if first:
+            second_started.wait(1.0)  # bounded: with the ordering, no second copy can start
+        else:
+            second_started.set()
+        try:
+            return original_copy(self, src, *args, **kw)
+        finally:
+            with guard:
+                copies["active"] -= 1
+
+    with manager(tmp_path, num_of_threads=2) as mgr:
+        assert mgr.save(1, stored)
+        data_files = [p for p in step_dir(tmp_path, 1).iterdir() if p.suffix == ".distcp"]
+        assert len(data_files) == 2  # one per writer thread: read on two threads
+        monkeypatch.setattr(torch.Tensor, "copy_", watching_copy)
+        mgr.restore(1, {"a": tied, "b": tied})
+        monkeypatch.undo()
+    assert copies["count"] == 2
+    assert copies["most_at_once"] == 1
+    assert torch.equal(tied, stored["a"]) or torch.equal(tied, stored["b"])
+
+
 def test_a_hasher_with_a_backlog_limit_waits_for_the_hashing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
