@@ -843,15 +843,17 @@ class CheckpointManager:
         failures = self._comm.all_gather(
             (_describe(plan_error), isinstance(plan_error, CorruptCheckpointError)), group
         )
-        if plan_error is not None:
-            raise plan_error
         failed = {rank: text for rank, (text, _) in enumerate(failures) if text is not None}
-        if failed:
+        if failed:  # every rank raises, and all say alike whether the step is damaged
+            damaged = any(corrupt for _, corrupt in failures)
+            if plan_error is not None and damaged == isinstance(plan_error, CorruptCheckpointError):
+                raise plan_error
             described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
-            message = f"restore of step {step} failed on another rank: {described}"
-            if any(corrupt for _, corrupt in failures):
-                raise CorruptCheckpointError(message, step=step)
-            raise CheckpointError(message)
+            where = "another rank" if plan_error is None else "more than one rank"
+            message = f"restore of step {step} failed on {where}: {described}"
+            if damaged:
+                raise CorruptCheckpointError(message, step=step) from plan_error
+            raise CheckpointError(message) from plan_error
         assert plan is not None
         reader = dcp_io.make_reader(
             self._storage.url_for(self._storage.step_path(step)),
@@ -898,7 +900,7 @@ class CheckpointManager:
             tried.add(step)
             try:
                 self.restore(step, state_dict)
-            except CheckpointError as exc:
+            except Exception as exc:  # on every rank alike (restore is collective), so is this:
                 if step not in self._list_from_storage():  # another job's retention deleted it
                     log.warning(
                         "step %d was deleted while it was being restored (%s); trying the "

@@ -554,3 +554,65 @@ def test_two_ranks_record_every_ranks_checksums_and_agree_on_quarantine(tmp_path
     for entry in record.files:
         assert entry.crc32 == zlib.crc32((root / "step_000000000001" / entry.path).read_bytes())
     assert CheckpointStorage(str(root)).quarantined_steps() == [2]
+
+
+DIST_FAILURE_SCRIPT = r"""
+import os, socket, sys
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+def run(rank, port, root):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from ckptmgr import CheckpointError, CheckpointManager, PerRank
+    from ckptmgr.storage import CheckpointStorage
+    with CheckpointManager(root, 1, chkpt_on_preemption=False, collective_timeout_s=30) as mgr:
+        mgr.save(1, {"w": torch.ones(100), "r": PerRank(torch.full((10,), float(rank)))})
+        if rank == 1:  # fault injection: rank 1 alone cannot read its plain values
+            def refused(self, *args, **kwargs):
+                raise PermissionError("injected on rank 1: permission denied")
+            CheckpointStorage.read_objects = refused
+        state = {"w": torch.zeros(100), "r": PerRank(torch.zeros(10))}
+        try:
+            mgr.restore_latest(state)
+            outcome = "restored"
+        except Exception as exc:
+            damaged = type(exc).__name__ == "CorruptCheckpointError"
+            outcome = f"{type(exc).__name__} damaged={damaged}: {exc}"
+        print(f"rank {rank} outcome: {outcome}", flush=True)
+        print(f"rank {rank} steps={mgr.all_steps()}", flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run, args=(r, port, sys.argv[1])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(150)
+    sys.exit(max(p.exitcode if p.exitcode is not None else 99 for p in procs))
+"""
+
+
+def test_two_ranks_restore_latest_raises_on_both_when_one_rank_fails_without_damage(
+    tmp_path: Path,
+) -> None:
+    """An error on one rank that is no damage (here a PermissionError reading its file) makes
+    restore_latest raise on both ranks, with nothing quarantined; the other rank used to look
+    for the step in storage alone (a collective the failing rank had left), and hang."""
+    script = tmp_path / "dist_restore_failure.py"
+    script.write_text(DIST_FAILURE_SCRIPT)
+    root = tmp_path / "ckpts"
+    result = run_python(script, str(root), timeout=200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 1 outcome: PermissionError damaged=False: injected on rank 1" in result.stdout
+    assert "rank 0 outcome: CheckpointError damaged=False: restore of step 1 failed" in (
+        result.stdout
+    )
+    assert "rank 1: PermissionError: injected on rank 1" in result.stdout
+    for rank in (0, 1):
+        assert f"rank {rank} steps=[1]" in result.stdout
+    assert CheckpointStorage(str(root)).quarantined_steps() == []
