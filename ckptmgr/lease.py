@@ -177,6 +177,7 @@ class _Holding:
         self.owner = owner
         self.interval_s = interval_s
         self.users = 0
+        self.key = ""  # where _HOLDINGS lists it
         self.lost: LeaseLostError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -272,6 +273,7 @@ class OwnerLease:
             holding = _HOLDINGS.get(key)
             if holding is None or holding.lost is not None:
                 holding = self._acquire_fresh()
+                holding.key = key
                 _HOLDINGS[key] = holding
                 holding.start()
             holding.users += 1
@@ -366,8 +368,8 @@ class OwnerLease:
             holding.users -= 1
             if holding.users > 0:
                 return
-            if _HOLDINGS.get(self._key()) is holding:
-                del _HOLDINGS[self._key()]
+            if _HOLDINGS.get(holding.key) is holding:  # the key it was registered under
+                del _HOLDINGS[holding.key]
         holding.stop()
         if holding.lost is not None:
             return

@@ -440,6 +440,30 @@ def test_handles_on_one_root_through_a_symlink_share_the_lease(root: Path, tmp_p
     assert not (root / LEASE_NAME).exists()
 
 
+def test_a_released_lease_is_not_reused_after_its_symlink_moved(root: Path, tmp_path: Path) -> None:
+    """release() forgets the holding under the key it was registered with, even when the
+    symlinked root now points elsewhere: a later handle gets a fresh lease with a live
+    heartbeat, not the stopped one (which another job would take over while check() passes)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = tmp_path / "current"
+    link.symlink_to(root)
+    first = lease_of(link, job_id="job-A")
+    held = first.acquire()
+    link.unlink()
+    link.symlink_to(elsewhere)
+    first.release()
+    link.unlink()
+    link.symlink_to(root)
+    second = lease_of(link, job_id="job-A")
+    again = second.acquire()
+    try:
+        assert again.lease_id != held.lease_id
+        assert record(root)["lease_id"] == again.lease_id
+    finally:
+        second.release()
+
+
 def test_lease_on_an_fsspec_store() -> None:
     """Non-local stores take the create-only write path; memory:// stands in for them."""
     fs = fsspec.filesystem("memory")
