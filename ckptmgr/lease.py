@@ -134,12 +134,16 @@ class Owner:
         """True when the owner ran on this host and its process is gone (or the pid reused)."""
         if not self.same_host():
             return False
-        if self.pid_ns is not None and self.pid_ns != _pid_namespace():
+        if self.in_other_pid_namespace():
             return False  # another container on this host: its pid means nothing here
         if not _pid_exists(self.pid):
             return True
         start = _pid_start(self.pid)
         return self.pid_start is not None and start is not None and start != self.pid_start
+
+    def in_other_pid_namespace(self) -> bool:
+        """True when the owner ran on this host in another PID namespace (a container)."""
+        return self.same_host() and self.pid_ns is not None and self.pid_ns != _pid_namespace()
 
     def is_stale(self, now: float, timeout_s: float) -> bool:
         return now - self.heartbeat > timeout_s
@@ -291,6 +295,9 @@ class OwnerLease:
                     continue
                 return _Holding(self.fs, self.path, mine, self.heartbeat_interval_s)
             reason = self._why_take(current)
+            if reason is None and current.in_other_pid_namespace():
+                self._watch_heartbeat(current)  # raises if it lives; else decide again
+                continue
             if reason is None:
                 raise LeaseHeldError(self.path, current, time.time())
             log.warning(
@@ -309,6 +316,29 @@ class OwnerLease:
             f"could not acquire the owner lease {self.path}: it kept changing under us "
             "(several jobs starting on the same root at once?)"
         )
+
+    def _watch_heartbeat(self, current: Owner) -> None:
+        """Wait until ``current``'s heartbeat moves (it lives: :class:`LeaseHeldError`) or goes
+        stale, or the record changes; for an owner whose pid cannot tell (a container on this
+        host restarted in a new PID namespace must not fail until the old record is stale)."""
+        timeout_s = max(self.timeout_s, current.timeout_s)
+        deadline = current.heartbeat + timeout_s
+        log.warning(
+            "the owner lease of %s is held by %s, in another PID namespace on this host (a "
+            "container?), whose pid cannot tell whether it still runs: waiting up to %.0f s "
+            "for its heartbeat (a restarted job is recognised at once with CKPTMGR_JOB_ID)",
+            self.path,
+            current.describe(time.time()),
+            max(deadline - time.time(), 0.0),
+        )
+        poll_s = min(1.0, timeout_s / 20)
+        while time.time() <= deadline:
+            time.sleep(poll_s)
+            again = _read(self.fs, self.path)
+            if again is None or again.lease_id != current.lease_id:
+                return
+            if again.heartbeat != current.heartbeat:
+                raise LeaseHeldError(self.path, again, time.time())
 
     def _why_take(self, current: Owner) -> str | None:
         """Why ``current``'s lease may be taken over, or None when it must be respected."""

@@ -9,11 +9,13 @@ they cannot be produced on one machine in reasonable time.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -250,7 +252,7 @@ def test_a_live_owner_in_another_pid_namespace_is_not_taken_for_dead(
     """A container on the same host may share its host name and boot id (host networking):
     its owner's pid, of its own PID namespace, names no process or another one here, and must
     not make a live owner look dead."""
-    child = LeaseChild(root, job_id="job-A", prefix=NEW_PID_NAMESPACE)
+    child = LeaseChild(root, job_id="job-A", interval_s=0.2, prefix=NEW_PID_NAMESPACE)
     children.append(child)
     word, details = child.first_line()
     assert word == "held", details
@@ -262,22 +264,45 @@ def test_a_live_owner_in_another_pid_namespace_is_not_taken_for_dead(
     assert record(root)["job_id"] == "job-A"
 
 
-def test_an_owner_record_of_another_pid_namespace_waits_for_its_heartbeat(root: Path) -> None:
-    """An owner on this host whose pid does not exist here is dead only when the record is of
-    this process's PID namespace (or says none, as older records); else its heartbeat decides."""
+def test_an_owner_record_of_another_pid_namespace_waits_for_its_heartbeat(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An owner on this host whose pid does not exist here is dead at once only when the record
+    is of this process's PID namespace (or says none, as older records do). One of another
+    namespace is watched: a heartbeat that moves is a live owner (refused), one that goes stale
+    a dead one (taken over then, as a container restarted in a new namespace needs)."""
     from ckptmgr.lease import _boot_id
 
     here = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": _unused_pid()}
-    write_record(root, **here, pid_ns="pid:[1]")
-    with pytest.raises(LeaseHeldError):
-        lease_of(root, job_id="me").acquire()
-    write_record(root, **here, pid_ns="pid:[1]", heartbeat=time.time() - 120)
-    with lease_of(root, job_id="me") as lease:  # stale: taken over
-        assert lease.previous is not None and lease.previous.pid_ns == "pid:[1]"
+    stop = threading.Event()
+
+    def heartbeat() -> None:  # the owner's heartbeat, as its holder thread rewrites it
+        while not stop.wait(0.05):
+            write_record(root, **here, pid_ns="pid:[1]", timeout_s=5.0)
+
+    write_record(root, **here, pid_ns="pid:[1]", timeout_s=5.0)
+    beating = threading.Thread(target=heartbeat)
+    beating.start()
+    try:
+        with pytest.raises(LeaseHeldError):
+            lease_of(root, job_id="me", timeout_s=1).acquire()
+    finally:
+        stop.set()
+        beating.join(BOUND_S)
+    assert record(root)["job_id"] == "other-job"
+
+    write_record(root, **here, pid_ns="pid:[1]", timeout_s=1.0)  # its heartbeat never moves
+    with caplog.at_level(logging.WARNING, logger="ckptmgr.lease"):
+        with lease_of(root, job_id="me", timeout_s=1) as lease:  # taken over once stale
+            assert lease.previous is not None and lease.previous.pid_ns == "pid:[1]"
+            assert time.time() - lease.previous.heartbeat > 1.0
+    assert "in another PID namespace" in caplog.text
     for pid_ns in (os.readlink("/proc/self/ns/pid"), None):
         write_record(root, **here, pid_ns=pid_ns)
+        started = time.monotonic()
         with lease_of(root, job_id="me") as lease:  # dead: taken over at once
             assert lease.previous is not None and lease.previous.job_id == "other-job"
+        assert time.monotonic() - started < 5.0
 
 
 def _unused_pid() -> int:
