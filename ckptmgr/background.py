@@ -171,6 +171,12 @@ class BackgroundWriter:
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
 
+    def take_errors(self) -> list[CheckpointError]:
+        """The unreported background failures, oldest first; they count as reported."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        return errors
+
     def raise_first_error(self) -> None:
         """Raise the oldest unreported background failure (once), if any."""
         with self._lock:

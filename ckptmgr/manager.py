@@ -174,6 +174,9 @@ class CheckpointManager:
         # Steps restore_latest found damaged, listed no more even where the quarantine marker
         # could not be written (or, with read_only, was not).
         self._damaged: set[int] = set()
+        # Background failures already raised on every rank by a save's agreement (the same set
+        # on every rank): a rank that learns of one late does not fail another save with it.
+        self._agreed_failures: set[str] = set()
         listed: list[int] = []
         # One writing job per root: rank 0 holds the owner lease for the job (see lease.py).
         self._lease: OwnerLease | None = None
@@ -338,6 +341,12 @@ class CheckpointManager:
         if request is None:
             self._exit_if_preemption_answered()
             return False
+        if self._comm.distributed:
+            try:
+                self._agree_before_write(step, None, None)
+            except BaseException:
+                self._abandon(request)
+                raise
         future = self._writer.submit(
             f"save of step {step}",
             lambda: self._write(request),
@@ -396,7 +405,8 @@ class CheckpointManager:
                 self._staging.release(slot.pop())
 
         try:
-            self._writer.raise_first_error()  # a save we waited for may just have failed
+            if not self._comm.distributed:  # (there, the agreement in _stage reports it)
+                self._writer.raise_first_error()  # a save we waited for may just have failed
             request.tensors = self._stage(step, buffers, request.tensors)
             request.packed = buffers.packed
             request.staged = True
@@ -423,9 +433,8 @@ class CheckpointManager:
         """Stage ``tensors``, small ones into one pack (ckptmgr.packing) when every rank lays
         out the same pack.
 
-        Collective under torch.distributed: the ranks agree that every copy succeeded, so a
-        copy that fails on one rank fails the save on all of them (a rank that raised alone
-        would meet its peers' collectives of this save with those of its next one).
+        Collective under torch.distributed (:meth:`_agree_before_write`): a copy that fails on
+        one rank fails the save on all of them.
         """
         pack = self._pack_filter
         while True:
@@ -440,21 +449,48 @@ class CheckpointManager:
             if not self._comm.distributed:
                 return staged
             fingerprint = buffers.pack_fingerprint if pack is not None and error is None else None
-            gathered = self._comm.all_gather(
-                (_describe(error), fingerprint), self._comm.control_group
-            )
-            if error is not None:
-                raise error
-            failed = {rank: text for rank, (text, _) in enumerate(gathered) if text is not None}
-            if failed:
-                described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
-                raise CheckpointError(
-                    f"step {step} was not saved: copying the state failed on another rank "
-                    f"({described})"
-                )
-            if pack is None or self._packs_agree([fp for _, fp in gathered]):
+            fingerprints = self._agree_before_write(step, error, fingerprint)
+            if pack is None or self._packs_agree(fingerprints):
                 return staged
             pack = None  # the ranks' packs differ: stage again, each tensor on its own
+
+    def _agree_before_write(
+        self, step: int, local_error: Exception | None, fingerprint: str | None
+    ) -> list[str | None]:
+        """The ranks' agreement before a save writes anything (torch.distributed only; one
+        all_gather on the control group): each says whether its part is ready (else the error
+        flattening or copying it raised) and which background failures it has learned of since.
+        If any rank has either, every rank raises: its own error, else a ``CheckpointError``
+        naming the others'. A rank that raised alone, before this save's collectives, would
+        meet its peers' collectives of this save with those of its next one. Returns the
+        ranks' pack fingerprints."""
+        learned = self._writer.take_errors()
+        gathered = self._comm.all_gather(
+            (_describe(local_error), fingerprint, [str(error) for error in learned]),
+            self._comm.control_group,
+        )
+        failures: list[str] = []
+        new_texts: set[str] = set()
+        for rank, (error_text, _, learned_texts) in enumerate(gathered):
+            if error_text is not None:
+                failures.append(f"rank {rank}: {error_text}")
+            for text in learned_texts:
+                if text not in self._agreed_failures:  # one failure fails one save
+                    self._agreed_failures.add(text)
+                    new_texts.add(text)
+                    failures.append(f"rank {rank}: an earlier background failure: {text}")
+        own: list[BaseException] = [] if local_error is None else [local_error]
+        own += [error for error in learned if str(error) in new_texts]
+        if own:  # this rank's own error, with its cause; the others noted on it
+            for failure in failures:
+                if len(failures) > 1 and hasattr(own[0], "add_note"):
+                    own[0].add_note(f"step {step} was not saved: {failure}")
+            raise own[0]
+        if failures:
+            raise CheckpointError(
+                f"step {step} was not saved: a rank could not save it ({'; '.join(failures)})"
+            )
+        return [fp for _, fp, _ in gathered]
 
     def _packs_agree(self, fingerprints: list[str | None]) -> bool:
         """True when every rank has the same pack layout; else packing stops for good (the
@@ -487,12 +523,18 @@ class CheckpointManager:
         step = _checked_step(step)
         checked_metrics = _checked_metrics(metrics)
         checked_metadata = _checked_metadata(metadata)
-        self._writer.raise_first_error()
+        if not self._comm.distributed:  # (there, the agreement before the write reports it)
+            self._writer.raise_first_error()
         wanted, preempt = self._decide(step, force=force, warn=True)
         if not wanted:
             return None
-        flat = flatten(state_dict, self._comm.rank)
-        packing.check_names(flat.tensors)
+        try:
+            flat = flatten(state_dict, self._comm.rank)
+            packing.check_names(flat.tensors)
+        except Exception as exc:
+            if self._comm.distributed:  # the other ranks fail this save at the agreement
+                self._agree_before_write(step, exc, None)
+            raise
         self._schedule.started(step, time.monotonic())
         with self._lock:
             self._in_flight.add(step)

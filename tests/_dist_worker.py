@@ -16,6 +16,8 @@ with the repository root on ``PYTHONPATH``. Scenarios:
   must save the same step, once, and stop there.
 * ``diverge <ckpt_dir>``: saves that go wrong on one rank only (a failed copy on rank 1; a
   different step on each rank) must fail on both and commit nothing.
+* ``learned <ckpt_dir>``: failures one rank learns of alone (retention's delete on rank 0; a
+  reserved name in rank 1's state) fail the next save on both ranks, and the ranks stay in step.
 * ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
   single-process manager lists the steps the 2-rank jobs wrote and restores the replicated state.
 
@@ -544,6 +546,55 @@ def scenario_diverge(rank: int, ckpt_dir: str) -> dict[str, Any]:
     return record
 
 
+def scenario_learned(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """Failures one rank learns of alone, before a save's collectives: retention's delete after
+    step 2 fails on rank 0 (which alone deletes), and rank 1's state for step 5 uses the pack's
+    reserved name. The next save must fail on both ranks, and the one after commit on both."""
+    import torch
+
+    from ckptmgr import CheckpointError, CheckpointManager, pruning
+    from ckptmgr.packing import PACK_KEY
+
+    original_delete = pruning.delete_steps
+    deletes: list[int] = []
+
+    def delete_failing_once_on_rank_0(storage: Any, steps: Any) -> None:
+        deletes.append(1)
+        if rank == 0 and len(deletes) == 1:
+            raise CheckpointError("injected on rank 0: could not delete the old step")
+        original_delete(storage, steps)
+
+    pruning.delete_steps = delete_failing_once_on_rank_0  # type: ignore[assignment]
+
+    def state_at(step: int) -> dict[str, Any]:
+        return {"w": torch.arange(10.0) + step, "b": torch.full((3,), float(step))}
+
+    record: dict[str, Any] = {}
+    with CheckpointManager(
+        ckpt_dir,
+        1,
+        max_to_keep=1,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        chkpt_on_preemption=False,
+    ) as manager:
+        record["saves_1_2"] = [_call(lambda s=s: manager.save(s, state_at(s))) for s in (1, 2)]
+        record["after_failed_delete"] = _call(lambda: manager.save_async(3, state_at(3)))
+        record["next"] = _call(lambda: manager.save_async(4, state_at(4)))
+        record["join"] = _call(manager.join)[1]
+        record["steps_after_4"] = manager.all_steps()
+        bad = state_at(5)
+        if rank == 1:
+            bad[PACK_KEY] = torch.zeros(2)
+        record["reserved_name"] = _call(lambda: manager.save(5, bad))
+        record["after_reserved_name"] = _call(lambda: manager.save(6, state_at(6)))
+        record["steps"] = manager.all_steps()
+        fresh = {"w": torch.zeros(10), "b": torch.zeros(3)}
+        manager.restore(6, fresh)
+        record["difference"] = first_difference(fresh, state_at(6))
+    record["disk"] = _disk_steps(ckpt_dir)
+    return record
+
+
 def scenario_single(ckpt_dir: str) -> dict[str, Any]:
     """A plain single process (no torch.distributed) on the directory the 2-rank jobs wrote."""
     import torch.distributed as dist
@@ -603,6 +654,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_mismatch(rank, *paths))
         elif scenario == "diverge":
             record.update(scenario_diverge(rank, *paths))
+        elif scenario == "learned":
+            record.update(scenario_learned(rank, *paths))
         elif scenario == "single":
             record.update(scenario_single(*paths))
         else:

@@ -401,6 +401,37 @@ def test_a_save_that_fails_on_one_rank_fails_on_both_and_they_stay_in_step(
         assert record["disk"] == _step_dirs([2, 5]), where
 
 
+def test_a_failure_one_rank_learns_of_alone_fails_the_next_save_on_both(
+    dirs: dict[str, Path],
+) -> None:
+    """A failure only one rank knows of before a save (its own retention delete failed; its
+    state is refused) fails that save on every rank, at the agreement before any write, and the
+    save after it commits on both. The rank used to raise alone, before the save's collectives,
+    and the other rank's collectives then met its next save."""
+    launch = _torchrun("learned", dirs["out"], dirs["ckpt"].parent / "learned")
+    records = launch.checked_records(NPROC)
+    for rank, record in records.items():
+        where = f"rank {rank}"
+        assert record["saves_1_2"] == [[True, None], [True, None]], where
+        returned, error = record["after_failed_delete"]
+        assert returned is None and error is not None and error["is_checkpoint_error"], where
+        assert "injected on rank 0: could not delete" in error["message"], where
+        if rank == 1:
+            assert "step 3 was not saved" in error["message"], where
+        assert record["next"] == [True, None], where
+        assert record["join"] is None, where
+        assert record["steps_after_4"] == [4], where
+        returned, error = record["reserved_name"]
+        assert returned is None and error is not None and error["is_checkpoint_error"], where
+        assert "reserved by ckptmgr" in error["message"], where
+        if rank == 0:
+            assert "step 5 was not saved" in error["message"], where
+        assert record["after_reserved_name"] == [True, None], where
+        assert record["steps"] == [6], where
+        assert record["difference"] is None, where
+        assert record["disk"] == _step_dirs([6]), where
+
+
 # -- 4. save and retention policies across ranks and runs ------------------------------------------
 @pytest.fixture(scope="module")
 def policies(dirs: dict[str, Path]) -> Launch:
