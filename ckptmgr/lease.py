@@ -273,18 +273,30 @@ class OwnerLease:
         if self._holding is not None:
             return self._holding.owner
         key = self._key()
-        with _HOLDINGS_LOCK:
-            holding = _HOLDINGS.get(key)
-            if holding is None or holding.lost is not None:
-                holding = self._acquire_fresh()
-                holding.key = key
-                _HOLDINGS[key] = holding
-                holding.start()
-            holding.users += 1
-            self._holding = holding
-        return holding.owner
+        for _ in range(3):
+            with _HOLDINGS_LOCK:
+                holding = _HOLDINGS.get(key)
+                unjudged: Owner | None = None
+                if holding is None or holding.lost is not None:
+                    holding, unjudged = self._acquire_fresh()
+                    if holding is not None:
+                        holding.key = key
+                        _HOLDINGS[key] = holding
+                        holding.start()
+                if holding is not None:
+                    holding.users += 1
+                    self._holding = holding
+                    return holding.owner
+            assert unjudged is not None
+            self._watch_heartbeat(unjudged)  # outside the lock: raises if it lives
+        raise CheckpointError(
+            f"could not acquire the owner lease {self.path}: its owner could not be judged "
+            "(an owner in another PID namespace on this host, whose record kept changing)"
+        )
 
-    def _acquire_fresh(self) -> _Holding:
+    def _acquire_fresh(self) -> tuple[_Holding | None, Owner | None]:
+        """(the new holding, None), or (None, the record of an owner whose heartbeat must be
+        watched before it can be judged: on this host, in another PID namespace)."""
         mine = self._record()
         for _ in range(3):  # another process may create or delete the record in between
             current = _read(self.fs, self.path)
@@ -293,11 +305,10 @@ class OwnerLease:
                     _create_only(self.fs, self.path, mine.to_json())
                 except FileExistsError:
                     continue
-                return _Holding(self.fs, self.path, mine, self.heartbeat_interval_s)
+                return _Holding(self.fs, self.path, mine, self.heartbeat_interval_s), None
             reason = self._why_take(current)
             if reason is None and current.in_other_pid_namespace():
-                self._watch_heartbeat(current)  # raises if it lives; else decide again
-                continue
+                return None, current
             if reason is None:
                 raise LeaseHeldError(self.path, current, time.time())
             log.warning(
@@ -311,7 +322,7 @@ class OwnerLease:
             if written is None or written.lease_id != mine.lease_id:
                 continue  # another process took over at the same time: decide again
             self.previous = current
-            return _Holding(self.fs, self.path, mine, self.heartbeat_interval_s)
+            return _Holding(self.fs, self.path, mine, self.heartbeat_interval_s), None
         raise CheckpointError(
             f"could not acquire the owner lease {self.path}: it kept changing under us "
             "(several jobs starting on the same root at once?)"
@@ -322,23 +333,27 @@ class OwnerLease:
         stale, or the record changes; for an owner whose pid cannot tell (a container on this
         host restarted in a new PID namespace must not fail until the old record is stale)."""
         timeout_s = max(self.timeout_s, current.timeout_s)
-        deadline = current.heartbeat + timeout_s
+        until_stale_s = max(current.heartbeat + timeout_s - time.time(), 0.0)
+        wait_s = min(until_stale_s, self.timeout_s)  # at most our own timeout
         log.warning(
             "the owner lease of %s is held by %s, in another PID namespace on this host (a "
             "container?), whose pid cannot tell whether it still runs: waiting up to %.0f s "
             "for its heartbeat (a restarted job is recognised at once with CKPTMGR_JOB_ID)",
             self.path,
             current.describe(time.time()),
-            max(deadline - time.time(), 0.0),
+            wait_s,
         )
         poll_s = min(1.0, timeout_s / 20)
-        while time.time() <= deadline:
+        end = time.monotonic() + wait_s + poll_s
+        while time.monotonic() < end:
             time.sleep(poll_s)
             again = _read(self.fs, self.path)
             if again is None or again.lease_id != current.lease_id:
                 return
             if again.heartbeat != current.heartbeat:
                 raise LeaseHeldError(self.path, again, time.time())
+        if wait_s < until_stale_s:  # its own timeout is longer than ours: not stale yet
+            raise LeaseHeldError(self.path, current, time.time())
 
     def _why_take(self, current: Owner) -> str | None:
         """Why ``current``'s lease may be taken over, or None when it must be respected."""

@@ -297,6 +297,11 @@ def test_an_owner_record_of_another_pid_namespace_waits_for_its_heartbeat(
             assert lease.previous is not None and lease.previous.pid_ns == "pid:[1]"
             assert time.time() - lease.previous.heartbeat > 1.0
     assert "in another PID namespace" in caplog.text
+    write_record(root, **here, pid_ns="pid:[1]", timeout_s=3600.0)  # its own timeout: 1 h
+    started = time.monotonic()
+    with pytest.raises(LeaseHeldError):  # watched for our own timeout only, then refused
+        lease_of(root, job_id="me", timeout_s=1).acquire()
+    assert time.monotonic() - started < 30.0
     for pid_ns in (os.readlink("/proc/self/ns/pid"), None):
         write_record(root, **here, pid_ns=pid_ns)
         started = time.monotonic()
