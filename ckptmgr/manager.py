@@ -174,8 +174,9 @@ class CheckpointManager:
         # Steps restore_latest found damaged, listed no more even where the quarantine marker
         # could not be written (or, with read_only, was not).
         self._damaged: set[int] = set()
-        # Background failures already raised on every rank by a save's agreement (the same set
-        # on every rank): a rank that learns of one late does not fail another save with it.
+        # Keys of the background failures already raised on every rank by a save's agreement
+        # (the same set on every rank): a rank that learns of one late does not fail another
+        # save with it. One entry per failure.
         self._agreed_failures: set[str] = set()
         listed: list[int] = []
         # One writing job per root: rank 0 holds the owner lease for the job (see lease.py).
@@ -201,10 +202,15 @@ class CheckpointManager:
                 if not isinstance(exc, CheckpointError):
                     raise
                 lease_error = exc
-        refused, listed = self._comm.broadcast(
-            (None if lease_error is None else str(lease_error), listed),
-            self._comm.background_group,
-        )
+        try:
+            refused, listed = self._comm.broadcast(
+                (None if lease_error is None else str(lease_error), listed),
+                self._comm.background_group,
+            )
+        except BaseException:  # a rank that never came: no manager, so no lease held either
+            if self._lease is not None:
+                self._lease.release()
+            raise
         if lease_error is not None:
             raise lease_error
         if refused is not None:
@@ -304,9 +310,12 @@ class CheckpointManager:
             return
         if self._preemption_claimed is None and self._preemption_reached is None:
             return
-        self.join()  # raises if the preemption save failed: training goes on, the next step retries
+        self._writer.wait()  # the preemption save's outcome, the same on every rank
         if self._preemption_reached is None:
+            self.join()  # it failed: raises on every rank; training goes on, the next step retries
             return
+        for error in self._writer.take_errors():  # committed: every rank exits, none raises
+            log.error("exiting after the preemption checkpoint despite: %s", error)
         notice = self._answered_notice
         code = notice.exit_code if notice is not None else 143
         log.warning(
@@ -465,22 +474,31 @@ class CheckpointManager:
         meet its peers' collectives of this save with those of its next one. Returns the
         ranks' pack fingerprints."""
         learned = self._writer.take_errors()
-        gathered = self._comm.all_gather(
-            (_describe(local_error), fingerprint, [str(error) for error in learned]),
-            self._comm.control_group,
-        )
+        try:
+            gathered = self._comm.all_gather(
+                (
+                    _describe(local_error),
+                    fingerprint,
+                    [(self._failure_key(error), str(error)) for error in learned],
+                ),
+                self._comm.control_group,
+            )
+        except BaseException:
+            for error in learned:  # not reported: join() or close() will
+                self._writer.record_error(error)
+            raise
         failures: list[str] = []
-        new_texts: set[str] = set()
-        for rank, (error_text, _, learned_texts) in enumerate(gathered):
+        new_keys: set[str] = set()
+        for rank, (error_text, _, learned_failures) in enumerate(gathered):
             if error_text is not None:
                 failures.append(f"rank {rank}: {error_text}")
-            for text in learned_texts:
-                if text not in self._agreed_failures:  # one failure fails one save
-                    self._agreed_failures.add(text)
-                    new_texts.add(text)
+            for key, text in learned_failures:
+                if key not in self._agreed_failures:  # one failure fails one save
+                    self._agreed_failures.add(key)
+                    new_keys.add(key)
                     failures.append(f"rank {rank}: an earlier background failure: {text}")
         own: list[BaseException] = [] if local_error is None else [local_error]
-        own += [error for error in learned if str(error) in new_texts]
+        own += [error for error in learned if self._failure_key(error) in new_keys]
         if own:  # this rank's own error, with its cause; the others noted on it
             for failure in failures:
                 if len(failures) > 1 and hasattr(own[0], "add_note"):
@@ -491,6 +509,15 @@ class CheckpointManager:
                 f"step {step} was not saved: a rank could not save it ({'; '.join(failures)})"
             )
         return [fp for _, fp, _ in gathered]
+
+    def _failure_key(self, error: BaseException) -> str:
+        """What names one failure on every rank that learns of it: a failed save's key is its
+        save id (every rank's error of it has the same); any other failure is this rank's own."""
+        key = getattr(error, "failure_key", None)
+        if key is None:
+            key = f"rank {self._comm.rank} {uuid.uuid4().hex}"
+            error.failure_key = key  # type: ignore[attr-defined]
+        return str(key)
 
     def _packs_agree(self, fingerprints: list[str | None]) -> bool:
         """True when every rank has the same pack layout; else packing stops for good (the
@@ -521,18 +548,24 @@ class CheckpointManager:
                 "but never saves"
             )
         step = _checked_step(step)
-        checked_metrics = _checked_metrics(metrics)
-        checked_metadata = _checked_metadata(metadata)
-        if not self._comm.distributed:  # (there, the agreement before the write reports it)
+        if not self._comm.distributed:
+            checked_metrics = _checked_metrics(metrics)
+            checked_metadata = _checked_metadata(metadata)
             self._writer.raise_first_error()
+        # Under torch.distributed, a value one rank refuses (metrics, metadata, the state) fails
+        # the save on every rank, at the agreement before the write (as do failures a rank has
+        # learned of): a rank that raised alone would leave its peers in this save's collectives.
         wanted, preempt = self._decide(step, force=force, warn=True)
-        if not wanted:
-            return None
         try:
+            if self._comm.distributed:
+                checked_metrics = _checked_metrics(metrics)
+                checked_metadata = _checked_metadata(metadata)
+            if not wanted:
+                return None
             flat = flatten(state_dict, self._comm.rank)
             packing.check_names(flat.tensors)
         except Exception as exc:
-            if self._comm.distributed:  # the other ranks fail this save at the agreement
+            if self._comm.distributed and wanted:  # the other ranks fail it at the agreement
                 self._agree_before_write(step, exc, None)
             raise
         self._schedule.started(step, time.monotonic())
@@ -565,7 +598,9 @@ class CheckpointManager:
                 prepared = (save_id, f"{type(exc).__name__}: {exc}", step)
         save_id, prepare_error, coordinator_step = comm.broadcast(prepared, group)
         if prepare_error is not None:
-            raise CheckpointError(f"could not prepare step {step}: {prepare_error}")
+            error = CheckpointError(f"could not prepare step {step}: {prepare_error}")
+            error.failure_key = f"save {save_id}"  # type: ignore[attr-defined]  # every rank's
+            raise error
         write_dir = storage.write_dir(coordinator_step, save_id)
 
         local_error: BaseException | None = None
@@ -637,6 +672,7 @@ class CheckpointManager:
             if comm.is_coordinator:
                 storage.discard(write_dir)
             error = CheckpointError(f"save of step {step} failed: {outcome.error}")
+            error.failure_key = f"save {save_id}"  # type: ignore[attr-defined]  # every rank's
             raise error from (local_error or commit_error)
 
         with self._lock:
@@ -882,20 +918,7 @@ class CheckpointManager:
             plan_error = exc
         # DCP's load is collective: every rank learns first whether any rank could not match its
         # state against the checkpoint, so that such a rank never leaves the others waiting.
-        failures = self._comm.all_gather(
-            (_describe(plan_error), isinstance(plan_error, CorruptCheckpointError)), group
-        )
-        failed = {rank: text for rank, (text, _) in enumerate(failures) if text is not None}
-        if failed:  # every rank raises, and all say alike whether the step is damaged
-            damaged = any(corrupt for _, corrupt in failures)
-            if plan_error is not None and damaged == isinstance(plan_error, CorruptCheckpointError):
-                raise plan_error
-            described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
-            where = "another rank" if plan_error is None else "more than one rank"
-            message = f"restore of step {step} failed on {where}: {described}"
-            if damaged:
-                raise CorruptCheckpointError(message, step=step) from plan_error
-            raise CheckpointError(message) from plan_error
+        self._agree_on_restore(step, plan_error, group)
         assert plan is not None
         reader = dcp_io.make_reader(
             self._storage.url_for(self._storage.step_path(step)),
@@ -905,20 +928,38 @@ class CheckpointManager:
             expected=expected,
             raw=raw,
         )
+        load_error: Exception | None = None
         try:
             if to_load:
-                dcp_io.load_tensors(to_load, reader, group)
+                _load(step, to_load, reader, group)
                 unpack()
-        except BaseException as exc:  # CheckpointException is a BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            if isinstance(exc, CorruptCheckpointError):
-                raise CorruptCheckpointError(
-                    f"restore of step {step} failed: {exc}", path=exc.path, step=step
-                ) from exc
-            raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
-        plan.finish()
+            plan.finish()  # plain values; objects' own load_state_dict
+        except Exception as exc:
+            load_error = exc
+        # ... and whether any rank failed after it (unpacking, a load_state_dict that raised),
+        # so that every rank raises or none does (restore_latest then decides alike on all).
+        self._agree_on_restore(step, load_error, group)
         log.info("restored step %d", step)
+
+    def _agree_on_restore(self, step: int, error: Exception | None, group: Any) -> None:
+        """Raise on every rank if ``error`` (this rank's, or None) or any other rank's is not
+        None, each rank alike ``CorruptCheckpointError`` when any rank found damage; a rank
+        raises its own error where that is of the same kind. Collective under distributed."""
+        failures = self._comm.all_gather(
+            (_describe(error), isinstance(error, CorruptCheckpointError)), group
+        )
+        failed = {rank: text for rank, (text, _) in enumerate(failures) if text is not None}
+        if not failed:
+            return
+        damaged = any(corrupt for _, corrupt in failures)
+        if error is not None and damaged == isinstance(error, CorruptCheckpointError):
+            raise error
+        described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
+        where = "another rank" if error is None else "more than one rank"
+        message = f"restore of step {step} failed on {where}: {described}"
+        if damaged:
+            raise CorruptCheckpointError(message, step=step) from error
+        raise CheckpointError(message) from error
 
     def restore_latest(self, state_dict: Mapping[str, Any]) -> int | None:
         """Restore the newest committed step that is intact; returns it, or None if there is none.
@@ -1153,6 +1194,20 @@ def _os_error_behind(error: BaseException) -> BaseException:
         seen.append(current)
         current = current.__cause__ or current.__context__
     return error
+
+
+def _load(step: int, tensors: dict[str, torch.Tensor], reader: Any, group: Any) -> None:
+    """DCP's load of ``tensors``, its failures as ``CheckpointError`` (damage: corrupt)."""
+    try:
+        dcp_io.load_tensors(tensors, reader, group)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # CheckpointException is a BaseException
+        if isinstance(exc, CorruptCheckpointError):
+            raise CorruptCheckpointError(
+                f"restore of step {step} failed: {exc}", path=exc.path, step=step
+            ) from exc
+        raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
 
 
 def _describe(error: BaseException | None) -> str | None:

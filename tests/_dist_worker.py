@@ -587,10 +587,29 @@ def scenario_learned(rank: int, ckpt_dir: str) -> dict[str, Any]:
             bad[PACK_KEY] = torch.zeros(2)
         record["reserved_name"] = _call(lambda: manager.save(5, bad))
         record["after_reserved_name"] = _call(lambda: manager.save(6, state_at(6)))
+        metrics = {"loss": 0.5 if rank == 0 else "not a number"}
+        record["bad_metric"] = _call(lambda: manager.save(7, state_at(7), metrics=metrics))
+        record["after_bad_metric"] = _call(lambda: manager.save_async(8, state_at(8)))
+        record["join_8"] = _call(manager.join)[1]
         record["steps"] = manager.all_steps()
+
+        class Refusing:  # an object whose load_state_dict fails on rank 1 only
+            def state_dict(self) -> dict[str, Any]:
+                return {"x": 1}
+
+            def load_state_dict(self, state: dict[str, Any]) -> None:
+                if rank == 1:
+                    raise ValueError("injected on rank 1: load_state_dict refused")
+
+        record["save_refusing"] = _call(lambda: manager.save(9, {**state_at(9), "o": Refusing()}))
+        restored = {"w": torch.zeros(10), "b": torch.zeros(3), "o": Refusing()}
+        record["restore_refused"] = _call(lambda: manager.restore(9, restored))[1]
+        record["restore_latest_refused"] = _call(lambda: manager.restore_latest(restored))[1]
+        record["after_refused"] = _call(lambda: manager.save(10, state_at(10)))
         fresh = {"w": torch.zeros(10), "b": torch.zeros(3)}
-        manager.restore(6, fresh)
-        record["difference"] = first_difference(fresh, state_at(6))
+        manager.restore(10, fresh)
+        record["difference"] = first_difference(fresh, state_at(10))
+        record["steps_final"] = manager.all_steps()
     record["disk"] = _disk_steps(ckpt_dir)
     return record
 

@@ -405,9 +405,11 @@ def test_a_failure_one_rank_learns_of_alone_fails_the_next_save_on_both(
     dirs: dict[str, Path],
 ) -> None:
     """A failure only one rank knows of before a save (its own retention delete failed; its
-    state is refused) fails that save on every rank, at the agreement before any write, and the
-    save after it commits on both. The rank used to raise alone, before the save's collectives,
-    and the other rank's collectives then met its next save."""
+    state or its metrics are refused) fails that save on every rank, at the agreement before
+    any write, and the save after it commits on both; so does a restore whose load_state_dict
+    fails on one rank (restore and restore_latest raise on both; nothing is quarantined). The
+    rank used to raise alone, before the save's collectives, and the other rank's collectives
+    then met its next save."""
     launch = _torchrun("learned", dirs["out"], dirs["ckpt"].parent / "learned")
     records = launch.checked_records(NPROC)
     for rank, record in records.items():
@@ -427,9 +429,23 @@ def test_a_failure_one_rank_learns_of_alone_fails_the_next_save_on_both(
         if rank == 0:
             assert "step 5 was not saved" in error["message"], where
         assert record["after_reserved_name"] == [True, None], where
-        assert record["steps"] == [6], where
+        returned, error = record["bad_metric"]
+        assert returned is None and error is not None, where
+        assert error["type"] == ("CheckpointError" if rank == 0 else "ValueError"), where
+        assert "metrics must map str -> number" in error["message"], where
+        assert record["after_bad_metric"] == [True, None], where
+        assert record["join_8"] is None, where
+        assert record["steps"] == [8], where
+        assert record["save_refusing"] == [True, None], where
+        for key in ("restore_refused", "restore_latest_refused"):  # raised alike on both ranks
+            error = record[key]
+            assert error is not None, f"{where}: {key}"
+            assert error["type"] == ("CheckpointError" if rank == 0 else "ValueError"), where
+            assert "injected on rank 1: load_state_dict refused" in error["message"], where
+        assert record["after_refused"] == [True, None], where
         assert record["difference"] is None, where
-        assert record["disk"] == _step_dirs([6]), where
+        assert record["steps_final"] == [10], where
+        assert record["disk"] == _step_dirs([10]), where
 
 
 # -- 4. save and retention policies across ranks and runs ------------------------------------------

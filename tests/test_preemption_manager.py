@@ -105,6 +105,41 @@ sys.exit(3)
 """
 
 
+EXIT_DESPITE_CHILD = """
+import signal, sys
+import torch
+from ckptmgr import CheckpointError, CheckpointManager, PreemptionConfig, pruning
+
+def refuse_to_delete(storage, steps):  # fault injection: retention's delete fails
+    raise CheckpointError(f"injected: could not delete steps {steps}")
+
+pruning.delete_steps = refuse_to_delete
+config = PreemptionConfig(signals=["SIGUSR1"], gce=False, aws=False, azure=False,
+                          exit_after_save=True)
+manager = CheckpointManager(sys.argv[1], save_interval=5, max_to_keep=1, preemption=config)
+for step in range(1, 100):
+    if step == 7:
+        signal.raise_signal(signal.SIGUSR1)  # a real signal to this process
+    manager.save_async(step, {"w": torch.full((4,), float(step))})
+    print(f"trained step {step}", flush=True)
+print("the manager did not exit", flush=True)
+sys.exit(3)
+"""
+
+
+def test_exit_after_save_exits_even_when_retention_cannot_delete(ckpt_dir: Path) -> None:
+    """The preemption checkpoint is committed, so the process exits as asked though
+    retention's delete of the step before it failed (that error is logged); the failure used to
+    be raised instead, and the process trained on until the machine went away."""
+    result = run_python(EXIT_DESPITE_CHILD, str(ckpt_dir), timeout=120)
+    assert result.returncode == 128 + signal.SIGUSR1, result.stdout + result.stderr
+    assert "trained step 6" in result.stdout and "trained step 7" not in result.stdout
+    assert "exiting after the preemption checkpoint despite" in result.stderr
+    assert "injected: could not delete steps [5]" in result.stderr
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as reader:
+        assert reader.all_steps() == [5, 7]
+
+
 def test_exit_after_save_exits_with_128_plus_the_signal_once_committed(ckpt_dir: Path) -> None:
     result = run_python(EXIT_CHILD, str(ckpt_dir), timeout=120)
     assert result.returncode == 128 + signal.SIGUSR1, result.stdout + result.stderr
