@@ -321,7 +321,10 @@ class CheckpointManager:
         log.warning(
             "exiting with status %d after the preemption checkpoint (exit_after_save)", code
         )
-        self.close()
+        try:
+            self.close()
+        except Exception as exc:  # the checkpoint is committed: exit on every rank regardless
+            log.error("exiting after the preemption checkpoint despite: %s", exc)
         raise SystemExit(code)
 
     def _clear_preemption_notice(self) -> None:
@@ -914,26 +917,31 @@ class CheckpointManager:
                 state_dict, record.tensors, saved_objects, self._comm.rank, objects_rank
             )
             to_load, unpack = pack_load.split_for_load(plan.tensors, record)
+            reader = dcp_io.make_reader(
+                self._storage.url_for(self._storage.step_path(step)),
+                local=self._storage.is_local,
+                storage_options=self._storage.storage_options,
+                retry=self._storage.retry,
+                expected=expected,
+                raw=raw,
+            )
         except Exception as exc:
             plan_error = exc
         # DCP's load is collective: every rank learns first whether any rank could not match its
         # state against the checkpoint, so that such a rank never leaves the others waiting.
         self._agree_on_restore(step, plan_error, group)
         assert plan is not None
-        reader = dcp_io.make_reader(
-            self._storage.url_for(self._storage.step_path(step)),
-            local=self._storage.is_local,
-            storage_options=self._storage.storage_options,
-            retry=self._storage.retry,
-            expected=expected,
-            raw=raw,
-        )
         load_error: Exception | None = None
         try:
-            if to_load:
+            if to_load or self._comm.distributed:  # collective: also a rank with nothing to load
                 _load(step, to_load, reader, group)
+            try:
                 unpack()
-            plan.finish()  # plain values; objects' own load_state_dict
+            except Exception as exc:
+                if isinstance(exc, CheckpointError):
+                    raise
+                raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
+            plan.finish()  # plain values; objects' own load_state_dict (its error as raised)
         except Exception as exc:
             load_error = exc
         # ... and whether any rank failed after it (unpacking, a load_state_dict that raised),

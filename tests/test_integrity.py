@@ -616,3 +616,47 @@ def test_two_ranks_restore_latest_raises_on_both_when_one_rank_fails_without_dam
     for rank in (0, 1):
         assert f"rank {rank} steps=[1]" in result.stdout
     assert CheckpointStorage(str(root)).quarantined_steps() == []
+
+
+DIST_NOTHING_TO_LOAD_SCRIPT = r"""
+import os, socket, sys
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+def run(rank, port, root):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from ckptmgr import CheckpointManager, PerRank
+    with CheckpointManager(root, 1, chkpt_on_preemption=False, collective_timeout_s=30) as mgr:
+        mgr.save(1, {"w": torch.ones(4), "x": rank, "r": PerRank(torch.full((3,), float(rank)))})
+        plain = {"x": -1}
+        mgr.restore(1, plain)  # no tensor on any rank
+        mixed = {"x": -1} if rank == 0 else {"x": -1, "r": PerRank(torch.zeros(3))}
+        mgr.restore(1, mixed)  # a tensor on rank 1 only
+        r = mixed["r"].value.tolist() if "r" in mixed else None
+        print(f"rank {rank} plain={plain['x']} mixed={mixed['x']} r={r}", flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run, args=(r, port, sys.argv[1])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(150)
+    sys.exit(max(p.exitcode if p.exitcode is not None else 99 for p in procs))
+"""
+
+
+def test_two_ranks_restore_when_one_rank_has_no_tensor_to_load(tmp_path: Path) -> None:
+    """restore is collective even for a rank whose state holds no tensor: it joins DCP's load
+    with nothing to read, so the rank that does load is not left waiting (it timed out)."""
+    script = tmp_path / "dist_nothing_to_load.py"
+    script.write_text(DIST_NOTHING_TO_LOAD_SCRIPT)
+    result = run_python(script, str(tmp_path / "ckpts"), timeout=200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0 plain=0 mixed=0 r=None" in result.stdout
+    assert "rank 1 plain=1 mixed=1 r=[1.0, 1.0, 1.0]" in result.stdout

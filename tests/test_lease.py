@@ -284,8 +284,8 @@ def test_an_owner_record_of_another_pid_namespace_waits_for_its_heartbeat(
     beating = threading.Thread(target=heartbeat)
     beating.start()
     try:
-        with pytest.raises(LeaseHeldError):
-            lease_of(root, job_id="me", timeout_s=1).acquire()
+        with pytest.raises(LeaseHeldError):  # watched: its heartbeat moves
+            lease_of(root, job_id="me", timeout_s=10).acquire()
     finally:
         stop.set()
         beating.join(BOUND_S)
@@ -299,9 +299,9 @@ def test_an_owner_record_of_another_pid_namespace_waits_for_its_heartbeat(
     assert "in another PID namespace" in caplog.text
     write_record(root, **here, pid_ns="pid:[1]", timeout_s=3600.0)  # its own timeout: 1 h
     started = time.monotonic()
-    with pytest.raises(LeaseHeldError):  # watched for our own timeout only, then refused
+    with pytest.raises(LeaseHeldError):  # not stale within our own timeout: refused at once
         lease_of(root, job_id="me", timeout_s=1).acquire()
-    assert time.monotonic() - started < 30.0
+    assert time.monotonic() - started < 5.0
     for pid_ns in (os.readlink("/proc/self/ns/pid"), None):
         write_record(root, **here, pid_ns=pid_ns)
         started = time.monotonic()

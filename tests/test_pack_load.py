@@ -143,3 +143,21 @@ def test_a_shape_mismatch_late_in_the_state_leaves_every_destination_untouched(
         with pytest.raises(CheckpointError, match="t39"):
             manager.restore(1, target)
     assert all(torch.count_nonzero(value) == 0 for value in target.values())
+
+
+def test_a_failed_copy_out_of_the_pack_raises_checkpoint_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """restore raises CheckpointError (the documented type) when copying out of the pack fails,
+    with the original error as its cause (fault injection: the one copy call refuses)."""
+    saved = _saved_state()
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, saved)
+
+        def refusing_copy(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("injected: the copy out of the pack failed")
+
+        monkeypatch.setattr(torch, "split_with_sizes_copy", refusing_copy)
+        with pytest.raises(CheckpointError, match="restore of step 1 failed: injected") as caught:
+            mgr.restore(1, _destinations(saved))
+    assert isinstance(caught.value.__cause__, RuntimeError)
