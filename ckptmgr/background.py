@@ -106,15 +106,16 @@ class BackgroundWriter:
         description: str,
         job: Callable[[], Any],
         *,
-        keep_error: bool = True,
+        keep_error: bool | Callable[[], bool] = True,
         cleanup: Callable[[], None] | None = None,
     ) -> concurrent.futures.Future[Any]:
         """Run ``job`` in the background; ``description`` names it in errors.
 
         With ``keep_error`` a failure is stored for :meth:`raise_first_error`; without it the
-        caller gets it from the returned future (used by synchronous saves). ``cleanup`` runs
-        after the job and after its failure is stored, so whoever waits on what ``cleanup``
-        frees sees the failure.
+        caller gets it from the returned future (used by synchronous saves). A callable is
+        asked when the job fails (a synchronous save whose caller stopped waiting keeps it).
+        ``cleanup`` runs after the job and after its failure is stored, so whoever waits on
+        what ``cleanup`` frees sees the failure.
         """
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
@@ -138,7 +139,7 @@ class BackgroundWriter:
         self,
         description: str,
         job: Callable[[], Any],
-        keep_error: bool,
+        keep_error: bool | Callable[[], bool],
         cleanup: Callable[[], None] | None,
     ) -> None:
         try:
@@ -148,7 +149,7 @@ class BackgroundWriter:
             if error is None:
                 error = CheckpointError(f"{description} failed: {_short(exc)}")
                 error.__cause__ = exc
-            if not keep_error:
+            if not (keep_error() if callable(keep_error) else keep_error):
                 raise error from error.__cause__
             log.error("%s failed", description, exc_info=exc)
             self.record_error(error)

@@ -359,18 +359,20 @@ class CheckpointManager:
             except BaseException:
                 self._abandon(request)
                 raise
+        caller_gone = threading.Event()
         future = self._writer.submit(
             f"save of step {step}",
             lambda: self._write(request),
-            keep_error=False,
+            keep_error=caller_gone.is_set,  # once nobody waits, the writer keeps a failure
             cleanup=lambda: self._abandon(request),
         )
         try:
             future.result()
         except BaseException as exc:
             if not (future.done() and future.exception() is exc):  # interrupted (Ctrl-C): the
-                future.add_done_callback(self._keep_failure)  # save goes on; a failure is kept
-            raise
+                caller_gone.set()  # save goes on; its failure is kept before it ends (join()
+                future.add_done_callback(self._keep_failure)  # sees it), or here if it came
+            raise  # before the line above
         self._exit_if_preemption_answered()
         return True
 

@@ -11,11 +11,10 @@ import sys
 import threading
 import weakref
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, run_python
+from conftest import REPO, held_dcp_writes, run_python
 
 from ckptmgr import CheckpointManager, dcp_io
 from ckptmgr.background import BackgroundWriter
@@ -96,13 +95,7 @@ def test_an_interrupted_close_releases_nothing_and_a_second_close_finishes(
     """Ctrl-C in close() while a save still writes: close() used to mark the manager closed and
     release the lease (and stop the daemon) anyway, so the save committed without the lease and
     a second close() did nothing. Now nothing is released and the second close() finishes."""
-    writing, release = threading.Event(), threading.Event()
-    original = dcp_io.save_tensors
-
-    def held_write(*args: Any, **kwargs: Any) -> Any:  # fault injection: a slow write
-        writing.set()
-        assert release.wait(EXIT_TIMEOUT_S), "the test never released the write"
-        return original(*args, **kwargs)
+    writing, release, held_write = held_dcp_writes(EXIT_TIMEOUT_S)
 
     root = tmp_path / "ckpts"
     manager = CheckpointManager(root, save_interval=1, chkpt_on_preemption=False)
@@ -186,6 +179,14 @@ def failing_write(*args, **kwargs):  # fault injection: a write that fails once 
     raise OSError(28, "No space left on device (injected)")
 
 dcp_io.save_tensors = failing_write
+joined = threading.Event()
+keep_failure = CheckpointManager._keep_failure
+
+def late_keep_failure(self, future):  # fault injection: the future's callback runs late
+    joined.wait(10)
+    keep_failure(self, future)
+
+CheckpointManager._keep_failure = late_keep_failure
 manager = CheckpointManager(sys.argv[1], save_interval=1, chkpt_on_preemption=False)
 main = threading.main_thread()
 
@@ -215,6 +216,7 @@ try:
 except CheckpointError as error:
     text = str(error) + repr(error.__cause__)
     print("join raised:", "No space left" in text, flush=True)
+joined.set()
 manager.close()
 print("steps", manager.all_steps(), flush=True)
 """
@@ -224,7 +226,10 @@ def test_the_failure_of_an_interrupted_synchronous_save_is_raised_by_join(
     tmp_path: Path,
 ) -> None:
     """Ctrl-C while save() waits stops the wait, not the write. If the write then fails, join()
-    raises it (it was lost: a synchronous save hands its failure to its waiting caller only)."""
+    raises it (it was lost: a synchronous save hands its failure to its waiting caller only).
+    The writer keeps it before the save's future completes: kept by the future's callback, it
+    came too late for a join() woken by that future now and then (CI; here made certain by
+    delaying the callback)."""
     result = run_python(INTERRUPTED_SAVE_CHILD, str(tmp_path / "ckpts"), timeout=EXIT_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["interrupted", "join raised: True", "steps []"], (
