@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,3 +37,20 @@ def ckpt_dir(tmp_path: Path) -> Path:
     """An empty directory for one test's checkpoints."""
     path = tmp_path / "ckpts"
     return path
+
+
+def held_dcp_writes(bound_s: float) -> tuple[threading.Event, threading.Event, Any]:
+    """Fault injection, a slow write: (writing, release, save_tensors), where ``save_tensors``
+    replaces ``ckptmgr.dcp_io.save_tensors`` (set it with monkeypatch): each write sets
+    ``writing``, then waits for ``release`` (at most ``bound_s``) before it writes."""
+    from ckptmgr import dcp_io
+
+    writing, release = threading.Event(), threading.Event()
+    original = dcp_io.save_tensors
+
+    def held_write(*args: Any, **kwargs: Any) -> Any:
+        writing.set()
+        assert release.wait(bound_s), "the test never released the write"
+        return original(*args, **kwargs)
+
+    return writing, release, held_write

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import subprocess
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -499,14 +500,41 @@ def test_cli_verify_reports_damage_with_exit_status_1(tmp_path: Path) -> None:
 
 # -- several ranks -------------------------------------------------------------------------------
 
-DIST_SCRIPT = r"""
-import json, os, socket, sys
+TWO_RANKS = r"""
+import os, socket, sys
 import torch, torch.distributed as dist
 import torch.multiprocessing as mp
 
 def run(rank, port, root):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    body(rank, root)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run, args=(r, port, sys.argv[1])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(150)
+    sys.exit(max(p.exitcode if p.exitcode is not None else 99 for p in procs))
+"""
+"""A 2-rank gloo job on 127.0.0.1 (spawned processes) that runs ``body(rank, root)`` on each
+rank: a script is a ``body`` followed by this."""
+
+
+def run_two_ranks(tmp_path: Path, body: str, root: Path) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "two_ranks.py"
+    script.write_text("import os, torch, torch.distributed as dist\n" + body + TWO_RANKS)
+    return run_python(script, str(root), timeout=200)
+
+
+DIST_SCRIPT = r"""
+def body(rank, root):
     from ckptmgr import CheckpointManager, PerRank
     with CheckpointManager(root, 1, chkpt_on_preemption=False) as mgr:
         for step in (1, 2):
@@ -524,27 +552,12 @@ def run(rank, port, root):
         step = mgr.restore_latest(state)
         print(f"rank {rank} restored {step} x={state['x']} w={state['w'][0].item()} "
               f"r={state['r'].value[0].item()} steps={mgr.all_steps()}", flush=True)
-    dist.destroy_process_group()
-
-if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, port, sys.argv[1])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(150)
-    sys.exit(max(p.exitcode if p.exitcode is not None else 99 for p in procs))
 """
 
 
 def test_two_ranks_record_every_ranks_checksums_and_agree_on_quarantine(tmp_path: Path) -> None:
-    script = tmp_path / "dist_integrity.py"
-    script.write_text(DIST_SCRIPT)
     root = tmp_path / "ckpts"
-    result = run_python(script, str(root), timeout=200)
+    result = run_two_ranks(tmp_path, DIST_SCRIPT, root)
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):
         assert f"rank {rank} restored 1 x={rank} w=1.0 r={float(rank)} steps=[1]" in result.stdout
@@ -557,13 +570,7 @@ def test_two_ranks_record_every_ranks_checksums_and_agree_on_quarantine(tmp_path
 
 
 DIST_FAILURE_SCRIPT = r"""
-import os, socket, sys
-import torch, torch.distributed as dist
-import torch.multiprocessing as mp
-
-def run(rank, port, root):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def body(rank, root):
     from ckptmgr import CheckpointError, CheckpointManager, PerRank
     from ckptmgr.storage import CheckpointStorage
     with CheckpointManager(root, 1, chkpt_on_preemption=False, collective_timeout_s=30) as mgr:
@@ -581,19 +588,6 @@ def run(rank, port, root):
             outcome = f"{type(exc).__name__} damaged={damaged}: {exc}"
         print(f"rank {rank} outcome: {outcome}", flush=True)
         print(f"rank {rank} steps={mgr.all_steps()}", flush=True)
-    dist.destroy_process_group()
-
-if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, port, sys.argv[1])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(150)
-    sys.exit(max(p.exitcode if p.exitcode is not None else 99 for p in procs))
 """
 
 
@@ -603,10 +597,8 @@ def test_two_ranks_restore_latest_raises_on_both_when_one_rank_fails_without_dam
     """An error on one rank that is no damage (here a PermissionError reading its file) makes
     restore_latest raise on both ranks, with nothing quarantined; the other rank used to look
     for the step in storage alone (a collective the failing rank had left), and hang."""
-    script = tmp_path / "dist_restore_failure.py"
-    script.write_text(DIST_FAILURE_SCRIPT)
     root = tmp_path / "ckpts"
-    result = run_python(script, str(root), timeout=200)
+    result = run_two_ranks(tmp_path, DIST_FAILURE_SCRIPT, root)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 1 outcome: PermissionError damaged=False: injected on rank 1" in result.stdout
     assert "rank 0 outcome: CheckpointError damaged=False: restore of step 1 failed" in (
@@ -619,13 +611,7 @@ def test_two_ranks_restore_latest_raises_on_both_when_one_rank_fails_without_dam
 
 
 DIST_NOTHING_TO_LOAD_SCRIPT = r"""
-import os, socket, sys
-import torch, torch.distributed as dist
-import torch.multiprocessing as mp
-
-def run(rank, port, root):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def body(rank, root):
     from ckptmgr import CheckpointManager, PerRank
     with CheckpointManager(root, 1, chkpt_on_preemption=False, collective_timeout_s=30) as mgr:
         mgr.save(1, {"w": torch.ones(4), "x": rank, "r": PerRank(torch.full((3,), float(rank)))})
@@ -635,28 +621,13 @@ def run(rank, port, root):
         mgr.restore(1, mixed)  # a tensor on rank 1 only
         r = mixed["r"].value.tolist() if "r" in mixed else None
         print(f"rank {rank} plain={plain['x']} mixed={mixed['x']} r={r}", flush=True)
-    dist.destroy_process_group()
-
-if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, port, sys.argv[1])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(150)
-    sys.exit(max(p.exitcode if p.exitcode is not None else 99 for p in procs))
 """
 
 
 def test_two_ranks_restore_when_one_rank_has_no_tensor_to_load(tmp_path: Path) -> None:
     """restore is collective even for a rank whose state holds no tensor: it joins DCP's load
     with nothing to read, so the rank that does load is not left waiting (it timed out)."""
-    script = tmp_path / "dist_nothing_to_load.py"
-    script.write_text(DIST_NOTHING_TO_LOAD_SCRIPT)
-    result = run_python(script, str(tmp_path / "ckpts"), timeout=200)
+    result = run_two_ranks(tmp_path, DIST_NOTHING_TO_LOAD_SCRIPT, tmp_path / "ckpts")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0 plain=0 mixed=0 r=None" in result.stdout
     assert "rank 1 plain=1 mixed=1 r=[1.0, 1.0, 1.0]" in result.stdout

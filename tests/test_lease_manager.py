@@ -13,15 +13,13 @@ import selectors
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, run_python
+from conftest import REPO, held_dcp_writes, run_python
 
 from ckptmgr import CheckpointError, CheckpointManager, dcp_io
 from ckptmgr.lease import LEASE_NAME
@@ -196,13 +194,7 @@ def test_a_save_writing_when_its_lease_is_lost_commits_and_deletes_nothing(
     """This job's save is still writing when another job takes the root over; once the
     heartbeat has found the loss, the save commits nothing and retention (max_to_keep=1 here)
     deletes none of the new owner's steps. It once committed and then deleted them."""
-    writing, release = threading.Event(), threading.Event()
-    original = dcp_io.save_tensors
-
-    def held_write(*args: Any, **kwargs: Any) -> Any:  # fault injection: a slow write
-        writing.set()
-        assert release.wait(BOUND_S), "the test never released the write"
-        return original(*args, **kwargs)
+    writing, release, held_write = held_dcp_writes(BOUND_S)
 
     with manager(root, lease_timeout_s=0.4, max_to_keep=1) as victim:  # heartbeat every 0.1 s
         assert victim.save(1, {"w": torch.full((4,), 1.0)})

@@ -90,33 +90,18 @@ def test_a_trigger_file_saves_the_next_step_and_is_protected_from_retention(
 EXIT_CHILD = """
 import signal, sys
 import torch
-from ckptmgr import CheckpointManager, PreemptionConfig
-
-config = PreemptionConfig(signals=["SIGUSR1"], gce=False, aws=False, azure=False,
-                          exit_after_save=True)
-manager = CheckpointManager(sys.argv[1], save_interval=1000, preemption=config)
-for step in range(1, 100):
-    if step == 7:
-        signal.raise_signal(signal.SIGUSR1)  # a real signal to this process
-    manager.save_async(step, {"w": torch.full((4,), float(step))})
-    print(f"trained step {step}", flush=True)
-print("the manager did not exit", flush=True)
-sys.exit(3)
-"""
-
-
-EXIT_DESPITE_CHILD = """
-import signal, sys
-import torch
 from ckptmgr import CheckpointError, CheckpointManager, PreemptionConfig, pruning
 
 def refuse_to_delete(storage, steps):  # fault injection: retention's delete fails
     raise CheckpointError(f"injected: could not delete steps {steps}")
 
-pruning.delete_steps = refuse_to_delete
+settings = {"save_interval": 1000}
+if sys.argv[2:] == ["--deletes-fail"]:
+    pruning.delete_steps = refuse_to_delete
+    settings = {"save_interval": 5, "max_to_keep": 1}
 config = PreemptionConfig(signals=["SIGUSR1"], gce=False, aws=False, azure=False,
                           exit_after_save=True)
-manager = CheckpointManager(sys.argv[1], save_interval=5, max_to_keep=1, preemption=config)
+manager = CheckpointManager(sys.argv[1], preemption=config, **settings)
 for step in range(1, 100):
     if step == 7:
         signal.raise_signal(signal.SIGUSR1)  # a real signal to this process
@@ -131,7 +116,7 @@ def test_exit_after_save_exits_even_when_retention_cannot_delete(ckpt_dir: Path)
     """The preemption checkpoint is committed, so the process exits as asked though
     retention's delete of the step before it failed (that error is logged); the failure used to
     be raised instead, and the process trained on until the machine went away."""
-    result = run_python(EXIT_DESPITE_CHILD, str(ckpt_dir), timeout=120)
+    result = run_python(EXIT_CHILD, str(ckpt_dir), "--deletes-fail", timeout=120)
     assert result.returncode == 128 + signal.SIGUSR1, result.stdout + result.stderr
     assert "trained step 6" in result.stdout and "trained step 7" not in result.stdout
     assert "exiting after the preemption checkpoint despite" in result.stderr
