@@ -20,6 +20,36 @@ _IDLE_POLL_S = 0.2
 _Job = tuple[concurrent.futures.Future[Any], Callable[[], None]]
 
 
+class FailureHandover:
+    """Where a synchronous job's failure goes: to the caller waiting for it, or, once that
+    caller has stopped waiting (Ctrl-C), to the writer's kept failures, for ``join()``. Decided
+    under one lock, so a failure is never lost between the two nor kept twice."""
+
+    def __init__(self, writer: BackgroundWriter) -> None:
+        self._writer = writer
+        self._lock = threading.Lock()
+        self._caller_gone = False
+        self._failure: CheckpointError | None = None
+
+    def keeps(self, error: CheckpointError) -> bool:
+        """The job failed with ``error``: True when it is kept (nobody waits for it)."""
+        with self._lock:
+            if not self._caller_gone:
+                self._failure = error  # the caller gets it from the future
+                return False
+        self._writer.record_error(error)
+        return True
+
+    def caller_gone(self) -> None:
+        """The caller stopped waiting: keep the job's failure, now or when it comes."""
+        with self._lock:
+            self._caller_gone = True
+            failure, self._failure = self._failure, None
+        if failure is not None:  # it failed while the caller was being interrupted
+            log.error("a save whose caller stopped waiting failed: %s", failure)
+            self._writer.record_error(failure)
+
+
 class _Worker:
     """The thread that runs jobs one at a time, in the order they were queued.
 
@@ -106,14 +136,14 @@ class BackgroundWriter:
         description: str,
         job: Callable[[], Any],
         *,
-        keep_error: bool | Callable[[], bool] = True,
+        keep_error: bool | FailureHandover = True,
         cleanup: Callable[[], None] | None = None,
     ) -> concurrent.futures.Future[Any]:
         """Run ``job`` in the background; ``description`` names it in errors.
 
         With ``keep_error`` a failure is stored for :meth:`raise_first_error`; without it the
-        caller gets it from the returned future (used by synchronous saves). A callable is
-        asked when the job fails (a synchronous save whose caller stopped waiting keeps it).
+        caller gets it from the returned future (used by synchronous saves); a
+        :class:`FailureHandover` decides when the job fails.
         ``cleanup`` runs after the job and after its failure is stored, so whoever waits on
         what ``cleanup`` frees sees the failure.
         """
@@ -139,7 +169,7 @@ class BackgroundWriter:
         self,
         description: str,
         job: Callable[[], Any],
-        keep_error: bool | Callable[[], bool],
+        keep_error: bool | FailureHandover,
         cleanup: Callable[[], None] | None,
     ) -> None:
         try:
@@ -149,10 +179,15 @@ class BackgroundWriter:
             if error is None:
                 error = CheckpointError(f"{description} failed: {_short(exc)}")
                 error.__cause__ = exc
-            if not (keep_error() if callable(keep_error) else keep_error):
+            if isinstance(keep_error, FailureHandover):
+                if not keep_error.keeps(error):
+                    raise error from error.__cause__
+                log.error("%s failed (its caller stopped waiting)", description, exc_info=exc)
+            elif not keep_error:
                 raise error from error.__cause__
-            log.error("%s failed", description, exc_info=exc)
-            self.record_error(error)
+            else:
+                log.error("%s failed", description, exc_info=exc)
+                self.record_error(error)
         finally:
             if cleanup is not None:
                 cleanup()

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptmgr import dcp_io, pack_load, packing, pruning, retention
 from ckptmgr._version import __version__
-from ckptmgr.background import BackgroundWriter
+from ckptmgr.background import BackgroundWriter, FailureHandover
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
@@ -359,31 +359,21 @@ class CheckpointManager:
             except BaseException:
                 self._abandon(request)
                 raise
-        caller_gone = threading.Event()
+        handover = FailureHandover(self._writer)
         future = self._writer.submit(
             f"save of step {step}",
             lambda: self._write(request),
-            keep_error=caller_gone.is_set,  # once nobody waits, the writer keeps a failure
+            keep_error=handover,  # the caller gets a failure, or join() once it stops waiting
             cleanup=lambda: self._abandon(request),
         )
         try:
             future.result()
         except BaseException as exc:
             if not (future.done() and future.exception() is exc):  # interrupted (Ctrl-C): the
-                caller_gone.set()  # save goes on; its failure is kept before it ends (join()
-                future.add_done_callback(self._keep_failure)  # sees it), or here if it came
-            raise  # before the line above
+                handover.caller_gone()  # save goes on; its failure is kept for join()
+            raise
         self._exit_if_preemption_answered()
         return True
-
-    def _keep_failure(self, future: Any) -> None:
-        """Keep the failure of a synchronous save whose caller stopped waiting, for join()."""
-        error = future.exception()
-        if error is not None:
-            log.error("a save whose wait was interrupted failed: %s", error)
-            if not isinstance(error, CheckpointError):
-                error = CheckpointError(f"a save failed: {error!r}")
-            self._writer.record_error(error)
 
     @gc_paused()  # many small objects: see ckptmgr.gc_pause
     def save_async(

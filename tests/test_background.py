@@ -167,7 +167,7 @@ def test_close_from_another_thread_releases_all_and_signals_act_as_before(
 
 
 INTERRUPTED_SAVE_CHILD = """
-import signal, sys, threading, time
+import concurrent.futures, signal, sys, threading, time
 import torch
 from ckptmgr import CheckpointError, CheckpointManager, dcp_io
 
@@ -180,13 +180,13 @@ def failing_write(*args, **kwargs):  # fault injection: a write that fails once 
 
 dcp_io.save_tensors = failing_write
 joined = threading.Event()
-keep_failure = CheckpointManager._keep_failure
+invoke_callbacks = concurrent.futures.Future._invoke_callbacks
 
-def late_keep_failure(self, future):  # fault injection: the future's callback runs late
+def late_callbacks(self):  # fault injection: a future's done callbacks run late
     joined.wait(10)
-    keep_failure(self, future)
+    invoke_callbacks(self)
 
-CheckpointManager._keep_failure = late_keep_failure
+concurrent.futures.Future._invoke_callbacks = late_callbacks
 manager = CheckpointManager(sys.argv[1], save_interval=1, chkpt_on_preemption=False)
 main = threading.main_thread()
 
@@ -227,9 +227,9 @@ def test_the_failure_of_an_interrupted_synchronous_save_is_raised_by_join(
 ) -> None:
     """Ctrl-C while save() waits stops the wait, not the write. If the write then fails, join()
     raises it (it was lost: a synchronous save hands its failure to its waiting caller only).
-    The writer keeps it before the save's future completes: kept by the future's callback, it
-    came too late for a join() woken by that future now and then (CI; here made certain by
-    delaying the callback)."""
+    The writer keeps it before the save's future completes: kept by a callback of the future,
+    it came too late, now and then, for a join() woken by that future (concurrent.futures
+    wakes waiters before it runs callbacks; here made certain by delaying the callbacks)."""
     result = run_python(INTERRUPTED_SAVE_CHILD, str(tmp_path / "ckpts"), timeout=EXIT_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["interrupted", "join raised: True", "steps []"], (
