@@ -334,9 +334,7 @@ class OwnerLease:
         host restarted in a new PID namespace must not fail until the old record is stale)."""
         timeout_s = max(self.timeout_s, current.timeout_s)
         until_stale_s = max(current.heartbeat + timeout_s - time.time(), 0.0)
-        if until_stale_s > self.timeout_s:  # not stale within our own timeout: refused anyway
-            raise LeaseHeldError(self.path, current, time.time())
-        wait_s = until_stale_s
+        wait_s = min(until_stale_s, self.timeout_s)  # at most our own timeout
         log.warning(
             "the owner lease of %s is held by %s, in another PID namespace on this host (a "
             "container?), whose pid cannot tell whether it still runs: waiting up to %.0f s "
@@ -354,6 +352,8 @@ class OwnerLease:
                 return
             if again.heartbeat != current.heartbeat:
                 raise LeaseHeldError(self.path, again, time.time())
+        if wait_s < until_stale_s:  # its own timeout outlasts ours, and it kept its record
+            raise LeaseHeldError(self.path, current, time.time())
 
     def _why_take(self, current: Owner) -> str | None:
         """Why ``current``'s lease may be taken over, or None when it must be respected."""

@@ -299,9 +299,22 @@ def test_an_owner_record_of_another_pid_namespace_waits_for_its_heartbeat(
     assert "in another PID namespace" in caplog.text
     write_record(root, **here, pid_ns="pid:[1]", timeout_s=3600.0)  # its own timeout: 1 h
     started = time.monotonic()
-    with pytest.raises(LeaseHeldError):  # not stale within our own timeout: refused at once
+    with pytest.raises(LeaseHeldError):  # watched for our own timeout only, then refused
         lease_of(root, job_id="me", timeout_s=1).acquire()
-    assert time.monotonic() - started < 5.0
+    assert time.monotonic() - started < 30.0
+    class OwnerLetsGo(logging.Handler):  # the watched owner releases once the watch begins
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting up to" in record.getMessage():
+                (root / LEASE_NAME).unlink()
+
+    write_record(root, **here, pid_ns="pid:[1]", timeout_s=3600.0)
+    letting_go = OwnerLetsGo()
+    logging.getLogger("ckptmgr.lease").addHandler(letting_go)
+    try:
+        with lease_of(root, job_id="me", timeout_s=5) as lease:  # released meanwhile: ours
+            assert record(root)["job_id"] == "me" and lease.previous is None
+    finally:
+        logging.getLogger("ckptmgr.lease").removeHandler(letting_go)
     for pid_ns in (os.readlink("/proc/self/ns/pid"), None):
         write_record(root, **here, pid_ns=pid_ns)
         started = time.monotonic()
