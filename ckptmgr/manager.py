@@ -494,9 +494,9 @@ class CheckpointManager:
                     failures.append(f"rank {rank}: an earlier background failure: {text}")
         own: list[BaseException] = [] if local_error is None else [local_error]
         own += [error for error in learned if self._failure_key(error) in new_keys]
-        if own:  # this rank's own error, with its cause; the others noted on it
-            for failure in failures:
-                if len(failures) > 1 and hasattr(own[0], "add_note"):
+        if own:  # this rank's own error, with its cause; every rank's noted on it
+            if len(failures) > 1 and hasattr(own[0], "add_note"):  # Python >= 3.11
+                for failure in failures:
                     own[0].add_note(f"step {step} was not saved: {failure}")
             raise own[0]
         if failures:
@@ -895,6 +895,7 @@ class CheckpointManager:
         raw = True
         to_load: dict[str, torch.Tensor] = {}
         unpack: Callable[[], None] = _nothing
+        reader: Any = None
         try:
             record = self._storage.read_record(step)
             expected = expected_files(record.files, step=step) if record.files else None
@@ -922,7 +923,7 @@ class CheckpointManager:
         # DCP's load is collective: every rank learns first whether any rank could not match its
         # state against the checkpoint, so that such a rank never leaves the others waiting.
         self._agree_on_restore(step, plan_error, group)
-        assert plan is not None
+        assert plan is not None and reader is not None
         load_error: Exception | None = None
         try:
             if to_load or self._comm.distributed:  # collective: also a rank with nothing to load
