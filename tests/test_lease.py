@@ -302,6 +302,7 @@ def test_an_owner_record_of_another_pid_namespace_waits_for_its_heartbeat(
     with pytest.raises(LeaseHeldError):  # watched for our own timeout only, then refused
         lease_of(root, job_id="me", timeout_s=1).acquire()
     assert time.monotonic() - started < 30.0
+
     class OwnerLetsGo(logging.Handler):  # the watched owner releases once the watch begins
         def emit(self, record: logging.LogRecord) -> None:
             if "waiting up to" in record.getMessage():
