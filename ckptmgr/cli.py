@@ -985,10 +985,12 @@ class ProgressLoadPlanner(TensorOnlyLoadPlanner):
 def read_plain_values(
     storage: CheckpointStorage, record: CommitRecord, rank: int
 ) -> dict[str, Any]:
-    """Decoded plain values by path, from ``rank``'s file or else rank 0's (as restore does)."""
+    """Decoded plain values by path, from ``rank``'s file or else rank 0's (as restore does),
+    checked against the record's size and CRC-32 first (``CorruptCheckpointError``)."""
+    expected = expected_files(record.files, step=record.step) if record.files else None
     for name in (objects_file_name(rank), objects_file_name(0)):
         if name in record.object_files:
-            stored = storage.read_objects(record.step, name)
+            stored = storage.read_objects(record.step, name, expected)
             return {path: objects.decode(value) for path, value in stored.items()}
     return {}
 

@@ -403,6 +403,24 @@ def test_tensors_for_rank_takes_each_per_rank_path_from_the_rank_or_else_rank_0(
     }
 
 
+def test_export_refuses_a_damaged_plain_values_file(
+    source: SourceCheckpoint, tmp_path: Path
+) -> None:
+    """export checks the plain-values file against the record's size and CRC-32, as restore
+    does: a damaged one (same size, other bytes) was exported silently."""
+    root = copy_root(source, tmp_path)
+    objects_file = root / f"step_{EXPORTED_STEP:012d}" / "objects-rank00000.json"
+    data = bytearray(objects_file.read_bytes())
+    digit = next(i for i, byte in enumerate(data) if chr(byte).isdigit())
+    data[digit] = ord("7") if data[digit] != ord("7") else ord("8")  # still valid JSON
+    objects_file.write_bytes(bytes(data))
+    output = tmp_path / "exported.pt"
+    result = run_cli("export", str(root), str(EXPORTED_STEP), str(output))
+    assert result.returncode == 1
+    assert "objects-rank00000.json" in one_error_line(result.stderr)
+    assert not output.exists()
+
+
 def test_rm_refuses_a_missing_step_and_deletes_committed_ones(
     source: SourceCheckpoint, tmp_path: Path
 ) -> None:
