@@ -1148,8 +1148,16 @@ def _tensor_entries(dcp_metadata: Any) -> dict[str, TensorEntry]:
 def _with_checksums(
     listed: list[FileEntry], written: Mapping[str, tuple[int, int]]
 ) -> list[FileEntry]:
-    """The listed files with the CRC-32 their writer computed; a size that differs from what
-    was written means the store lost or changed bytes, and the step is not committed."""
+    """The listed files with the CRC-32 their writer computed; a file written but not listed,
+    or listed with another size than written, means the store lost or changed bytes (or
+    something deleted them), and the step is not committed."""
+    missing = sorted(set(written) - {entry.path for entry in listed})
+    if missing:
+        raise CorruptCheckpointError(
+            f"{missing[0]} was written but storage does not hold it"
+            + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""),
+            path=missing[0],
+        )
     entries = []
     for entry in listed:
         known = written.get(entry.path)

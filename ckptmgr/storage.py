@@ -139,6 +139,10 @@ class AlreadyCommittedError(CheckpointError):
     """Raised when a commit finds the step already committed (by another writer)."""
 
 
+_WILDCARDS = ("*", "?", "[")
+"""What fsspec's ``rm`` and ``copy`` expand as a glob in a path (``fsspec.utils.has_magic``)."""
+
+
 class CheckpointStorage:
     """List, write, commit and delete checkpoint steps under one fsspec URL.
 
@@ -159,6 +163,12 @@ class CheckpointStorage:
         self.fs, self.root = open_filesystem(self.url, self.storage_options, self.retry)
         self.root = self.root.rstrip("/") or "/"
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        if not self.is_local and any(char in self.root for char in _WILDCARDS):
+            raise CheckpointError(
+                f"checkpoint root {self.url!r} contains one of {' '.join(_WILDCARDS)}: fsspec "
+                "reads these as wildcards when it deletes or copies, so deleting a step could "
+                "delete files of another path that they match; choose a root without them"
+            )
         self.is_object_store = is_object_store(self.fs)
         protocols = (
             self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
@@ -534,15 +544,25 @@ class CheckpointStorage:
             self._call(f"write commit record {target}", self._create_only, target, data)
             return
         except FileExistsError:
-            pass
+            if self._holds_own_record(target, record):
+                return
+            raise AlreadyCommittedError(f"step {step} was committed by another writer") from None
+        except Exception:
+            # A try whose reply was lost may have written it before the tries that failed.
+            if self._holds_own_record(target, record):
+                return
+            raise
+
+    def _holds_own_record(self, target: str, record: CommitRecord) -> bool:
+        """True when ``target`` is ``record`` (by its save id), written by an earlier try."""
         try:
             existing = CommitRecord.from_json(self._read_bytes(target))
-        except (FileNotFoundError, ValueError):
-            existing = None
-        if existing is not None and existing.save_id == record.save_id:
-            log.info("commit record of step %d was written by an earlier try", step)
-            return
-        raise AlreadyCommittedError(f"step {step} was committed by another writer")
+        except Exception:  # absent, unreadable, or the store still failing: not known to be ours
+            return False
+        if existing.save_id != record.save_id:
+            return False
+        log.info("commit record of step %d was written by an earlier try", record.step)
+        return True
 
     def _create_only(self, path: str, data: bytes) -> None:
         """Write ``path`` unless it exists (``FileExistsError``), in one request if possible.
@@ -637,8 +657,9 @@ class CheckpointStorage:
             if not self._is_leftover(name, full):
                 continue
             newest = self._newest_mtime(full)
-            age = None if newest is None else max(now - newest, 0.0)
-            found.append(Leftover(name=name, path=full, age_s=age))
+            if newest is None:  # gone meanwhile: nothing left over
+                continue
+            found.append(Leftover(name=name, path=full, age_s=max(now - newest, 0.0)))
         return sorted(found, key=lambda leftover: leftover.name)
 
     def _remote_leftovers(self) -> list[Leftover]:
@@ -692,7 +713,12 @@ class CheckpointStorage:
         return not self.fs.exists(f"{full}/{RECORD_NAME}")
 
     def _newest_mtime(self, path: str) -> float | None:
-        newest = os.path.getmtime(path)
+        """The newest modification time under ``path``; None when it is gone meanwhile (a save
+        committed or discarded it, a delete renamed it)."""
+        try:
+            newest = os.path.getmtime(path)
+        except FileNotFoundError:
+            return None
         for dirpath, _, files in os.walk(path):
             for name in files:
                 try:

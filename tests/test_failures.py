@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,10 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ckptmgr import CheckpointError, CheckpointManager, StepNotFoundError
+from ckptmgr.record import CommitRecord, utc_now
+from ckptmgr.retry import RetryConfig
 from ckptmgr.staging import StagingBuffers
+from ckptmgr.storage import CheckpointStorage
 
 # Upper bound of every wait on another thread in this file: generous, never reached when healthy.
 BOUND_S = 60.0
@@ -490,6 +494,62 @@ def test_damaged_plain_values_file_fails_restore_with_checkpoint_error(
         assert target["n"] == 0
 
 
+def test_a_written_file_that_storage_no_longer_holds_fails_the_commit(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data file its writer wrote but that the listing before the commit does not show (lost,
+    or deleted by someone else) fails the save: the step used to commit without it in the
+    record, and restore then failed on it. Fault injection: the listing leaves it out."""
+    original = CheckpointStorage.list_files
+
+    def losing_the_data_file(self: CheckpointStorage, path: str) -> Any:
+        return [entry for entry in original(self, path) if not entry.path.endswith(".distcp")]
+
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        monkeypatch.setattr(CheckpointStorage, "list_files", losing_the_data_file)
+        with pytest.raises(CheckpointError, match=r"__0_0\.distcp was written but storage"):
+            mgr.save(1, make_state(1))
+        monkeypatch.undo()
+        assert mgr.all_steps() == []
+        assert mgr.save(2, make_state(2)) is True
+        assert mgr.all_steps() == [2]
+
+
+def test_a_commit_record_that_landed_though_every_try_failed_counts_as_committed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a remote store, the first write of the commit record lands but its reply is lost,
+    and every retry fails: the commit reads the record back and, finding its own save id,
+    succeeds. It raised, so the save was reported failed while the step was listed as
+    committed. Fault injection: every create-only write raises after the first lands."""
+    storage = CheckpointStorage(
+        "memory://landed-commit",
+        retry=RetryConfig(max_attempts=2, initial_backoff_s=0.0, max_backoff_s=0.0),
+    )
+    write_dir = storage.write_dir(9, "c" * 16)
+    storage.prepare_write_dir(write_dir)
+    storage.fs.pipe_file(f"{write_dir}/__0_0.distcp", b"data")
+    real_create_only = storage._create_only
+    tries: list[int] = []
+
+    def landing_then_failing(path: str, data: bytes) -> None:
+        tries.append(1)
+        if len(tries) == 1:
+            real_create_only(path, data)
+        raise ConnectionResetError("injected: connection reset")
+
+    monkeypatch.setattr(storage, "_create_only", landing_then_failing)
+    record = CommitRecord(step=9, save_id="c" * 16, committed_at=utc_now(), world_size=1)
+    storage.commit(9, write_dir, record)
+    assert len(tries) == 2
+    assert storage.committed_steps() == [9]
+    other = CommitRecord(step=9, save_id="d" * 16, committed_at=utc_now(), world_size=1)
+    monkeypatch.setattr(storage, "_create_only", landing_then_failing)
+    with pytest.raises(ConnectionResetError):  # not ours: the failure stands
+        storage.commit(9, write_dir, other)
+    storage.fs.rm("/landed-commit", recursive=True)
+
+
 # -- leftovers of interrupted saves ------------------------------------------------------------
 
 
@@ -550,6 +610,30 @@ def test_old_leftovers_are_removed_with_the_default_grace(ckpt_dir: Path) -> Non
     with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
         assert mgr.all_steps() == []
         assert [p for p in leftovers if p.exists()] == []
+
+
+def test_a_leftover_gone_while_the_sweep_looks_at_it_is_skipped(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leftover that another process commits, discards or renames between the sweep's listing
+    and its look at the leftover's age is skipped: it made the manager's constructor (and
+    `ckptmgr ls --all`) fail with FileNotFoundError. Fault injection: the look removes it first."""
+    leftovers = make_leftovers(ckpt_dir, age_s=3600.0)
+    original = CheckpointStorage._is_leftover
+
+    def vanishing(self: CheckpointStorage, name: str, full: str) -> bool:
+        found = original(self, name, full)
+        if found and name.startswith(".tmp-"):
+            shutil.rmtree(full)  # another process's save committed or discarded it just now
+        return found
+
+    monkeypatch.setattr(CheckpointStorage, "_is_leftover", vanishing)
+    assert [leftover.name for leftover in CheckpointStorage(str(ckpt_dir)).leftovers()] == [
+        leftovers[1].name
+    ]
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        assert mgr.all_steps() == []
+    assert [p for p in leftovers if p.exists()] == []
 
 
 # -- backpressure --------------------------------------------------------------------------------
@@ -672,3 +756,26 @@ def test_a_written_save_frees_its_slot_before_its_commit_ends(flaky: type[FlakyF
         if worker.ident is not None:
             worker.join(BOUND_S)
         mgr.close()
+
+
+@pytest.mark.parametrize("wildcard", ["[1]", "*", "?"])
+def test_a_remote_root_with_a_wildcard_is_refused(wildcard: str, tmp_path: Path) -> None:
+    """fsspec reads * ? [ in a path as a glob when it deletes or copies: deleting a step of
+    memory://runs/exp[1] deleted the same step's data files of a sibling run memory://runs/exp1.
+    Such remote roots are refused; a local root may hold them (os calls take paths as they are)."""
+    memory = fsspec.filesystem("memory")
+    sibling = "memory://runs-wildcard/exp1"
+    with CheckpointManager(sibling, 1, max_to_keep=1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"w": torch.ones(3)})
+    root = f"memory://runs-wildcard/exp{wildcard}"
+    with pytest.raises(CheckpointError, match="wildcards"):
+        CheckpointManager(root, 1, max_to_keep=1, chkpt_on_preemption=False)
+    assert memory.exists("/runs-wildcard/exp1/step_000000000001/commit.json")
+    local_root = tmp_path / f"exp{wildcard}"
+    with CheckpointManager(local_root, 1, max_to_keep=1, chkpt_on_preemption=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((3,), float(step))})
+        restored = {"w": torch.zeros(3)}
+        mgr.restore(2, restored)
+    assert torch.equal(restored["w"], torch.full((3,), 2.0))
+    memory.rm("/runs-wildcard", recursive=True)
