@@ -104,7 +104,12 @@ class OptimizerState:
 
     def restore_template(self, saved: SavedEntries) -> dict[str, Any]:
         """The state dict to load ``saved`` into: the optimizer's own tensors, for exactly the
-        parameters the checkpoint holds state for (creating the state first if needed)."""
+        parameters the checkpoint holds state for (creating the state first if needed).
+
+        Raises ``CheckpointError``, before anything is changed, when the checkpoint's parameter
+        groups cannot be matched with this optimizer's (another number of groups; for a
+        checkpoint keyed by position, other group sizes)."""
+        self._check_groups(saved)
         if _keyed_by_position(saved):  # written from optimizer.state_dict() (older ckptmgr)
             positions = range(sum(len(g["params"]) for g in self.optimizer.param_groups))
             stored: set[Any] = {index for index in positions if saved.has("state", index)}
@@ -118,6 +123,22 @@ class OptimizerState:
             template = self.state_dict()
         template["state"] = {k: v for k, v in template["state"].items() if k in stored}
         return template
+
+    def _check_groups(self, saved: SavedEntries) -> None:
+        saved_sizes = _saved_group_sizes(saved)
+        if saved_sizes is None:
+            return
+        own_sizes = [len(group["params"]) for group in self.optimizer.param_groups]
+        if len(saved_sizes) == len(own_sizes) and (
+            saved_sizes == own_sizes or not _keyed_by_position(saved)
+        ):
+            return
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved_sizes)} parameter group(s) of "
+            f"{saved_sizes} parameters, this optimizer {len(own_sizes)} of {own_sizes}: their "
+            "groups cannot be matched (the state and hyperparameters of each group would go "
+            "to another); restore into an optimizer with the same parameter groups"
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict keyed by parameter name (or, from older checkpoints, by position).
@@ -163,6 +184,20 @@ def _canonical_name(model: nn.Module, name: str) -> str:
     if _get_fqns is None:  # pragma: no cover
         return name
     return next(iter(_get_fqns(model, name)))
+
+
+def _saved_group_sizes(saved: SavedEntries) -> list[int] | None:
+    """How many parameters each saved parameter group holds; None when not known."""
+    groups = saved.plain("param_groups")
+    if isinstance(groups, list):
+        params = [group.get("params") if isinstance(group, dict) else None for group in groups]
+    else:  # param_groups holding a tensor (a tensor learning rate) are stored item by item
+        params = []
+        while saved.has("param_groups", len(params)):
+            params.append(saved.plain("param_groups", len(params), "params"))
+    if not params or not all(isinstance(p, list) for p in params):
+        return None
+    return [len(p) for p in params]
 
 
 def _keyed_by_position(saved: SavedEntries) -> bool:

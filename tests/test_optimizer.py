@@ -222,3 +222,36 @@ def test_async_save_of_optimizer_holds_values_at_call_time(ckpt_dir: Path) -> No
         restored = Trainer.create(adamw, seed=1)
         mgr.restore(3, restored.objects())
     assert_same_training_state(restored, saved)
+
+
+@pytest.mark.parametrize("saved_as", ["optimizer", "state_dict"])
+def test_an_optimizer_with_other_parameter_groups_is_refused_before_anything_changes(
+    ckpt_dir: Path, saved_as: str
+) -> None:
+    """A checkpoint of one parameter group restored into an optimizer of two raises
+    CheckpointError, and neither the model nor the optimizer is changed: it returned with the
+    model loaded and a group without lr or betas (the next step raised KeyError), or, for a
+    checkpoint keyed by position, raised a ValueError after loading the model."""
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    torch.manual_seed(0)
+    saved_model = model()
+    saved_optimizer = torch.optim.Adam(saved_model.parameters(), lr=0.01)
+    saved_model(torch.randn(3, 4)).sum().backward()
+    saved_optimizer.step()
+    optim = saved_optimizer if saved_as == "optimizer" else saved_optimizer.state_dict()
+    target_model = model()
+    before = {k: v.clone() for k, v in target_model.state_dict().items()}
+    target_optimizer = torch.optim.Adam(
+        [{"params": target_model[0].parameters()}, {"params": target_model[1].parameters()}],
+        lr=0.5,
+    )
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"model": saved_model, "optim": optim})
+        with pytest.raises(CheckpointError, match="parameter group"):
+            mgr.restore(1, {"model": target_model, "optim": target_optimizer})
+    assert all(torch.equal(v, before[k]) for k, v in target_model.state_dict().items())
+    assert [g["lr"] for g in target_optimizer.param_groups] == [0.5, 0.5]
+    assert not target_optimizer.state
