@@ -2,7 +2,7 @@
 
 Supported: ``None``, ``bool``, ``int``, ``float`` (including nan/inf), ``str``, ``bytes``, and
 ``list``/``tuple``/``dict`` of those. Tuples and dicts with non-string keys are tagged so that
-they come back as the same types.
+they come back as the same types; so are ints too long for JSON's decimal form.
 """
 
 from __future__ import annotations
@@ -15,12 +15,18 @@ from ckptmgr.errors import CheckpointError
 
 TAG = "__ckptmgr__"
 
+_LONGEST_JSON_INT_BITS = 10_000
+"""Ints longer than this (about 3,000 decimal digits) are stored in hex: Python refuses to
+convert ints of more than 4,300 digits to and from decimal text by default."""
+
 
 def encode(value: Any, path: str) -> Any:
     """Turn ``value`` into JSON-compatible data; raise ``CheckpointError`` naming ``path``."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
+        if value.bit_length() > _LONGEST_JSON_INT_BITS:  # JSON's decimal form is refused
+            return {TAG: "int", "hex": hex(value)}
         return int(value)
     if isinstance(value, float):
         if math.isfinite(value):
@@ -64,6 +70,8 @@ def decode(data: Any) -> Any:
         return {key: decode(item) for key, item in data.items()}
     if tag == "float":
         return float(data["value"])
+    if tag == "int":
+        return int(data["hex"], 16)  # no digit limit for base 16
     if tag == "bytes":
         return base64.b64decode(data["base64"])
     if tag == "tuple":

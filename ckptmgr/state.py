@@ -367,7 +367,9 @@ class _RestorePlanner:
             else:
                 self.visit_child(items, child_key, child_path, private)
         if isinstance(value, tuple):
-            self.plan.finishers.append(functools.partial(_set_tuple, container, key, items))
+            self.plan.finishers.append(
+                functools.partial(_set_tuple, container, key, type(value), items)
+            )
 
     def _visit_leaf(self, container: Any, key: Any, value: Any, path: str, private: bool) -> None:
         """Plan a plain value stored whole at ``path``, or raise why it cannot be restored."""
@@ -479,8 +481,11 @@ def _set(container: Any, key: Any, value: Any) -> None:
     container[key] = value
 
 
-def _set_tuple(container: Any, key: Any, items: list[Any]) -> None:
-    container[key] = tuple(items)
+def _set_tuple(container: Any, key: Any, kind: type, items: list[Any]) -> None:
+    """A new tuple of ``items`` in place of the destination's: a namedtuple of the
+    destination's own type (not one the checkpoint names), else a plain tuple."""
+    make = getattr(kind, "_make", None)
+    container[key] = make(items) if callable(make) else tuple(items)
 
 
 def _load_state(owner: Any, holder: dict[str, Any]) -> None:

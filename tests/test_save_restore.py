@@ -673,3 +673,32 @@ def test_memory_url_end_to_end(memory_url: str) -> None:
         assert mgr.all_steps() == [10, 20]
         restore_and_check(mgr, 10, build_state(1))
         restore_and_check(mgr, 20, build_state(2))
+
+
+def test_a_namedtuple_holding_tensors_keeps_its_type(ckpt_dir: Path) -> None:
+    """A namedtuple with a tensor in it is replaced on restore by one of the destination's own
+    namedtuple type (it came back as a plain tuple, without its fields); plain tuples stay
+    plain tuples."""
+    import collections
+
+    stats_type = collections.namedtuple("stats_type", "mean count")
+    saved = {"stats": stats_type(torch.arange(3.0), 5), "pair": (torch.ones(2), 1)}
+    target = {"stats": stats_type(torch.zeros(3), 0), "pair": (torch.zeros(2), 0)}
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, saved)
+        mgr.restore(1, target)
+    assert type(target["stats"]) is stats_type
+    assert target["stats"].count == 5 and torch.equal(target["stats"].mean, torch.arange(3.0))
+    assert type(target["pair"]) is tuple and target["pair"][1] == 1
+
+
+def test_ints_too_long_for_json_decimals_round_trip(ckpt_dir: Path) -> None:
+    """An int of more than 4,300 digits (Python refuses its decimal text) round-trips, by
+    save_async too: it passed the snapshot and failed the background write."""
+    huge, negative = 10**5000 + 7, -(2**20000) + 1
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
+        assert mgr.save_async(1, {"n": huge, "m": [negative, 3]})
+        mgr.join()
+        target: dict[str, Any] = {"n": 0, "m": [0, 0]}
+        mgr.restore(1, target)
+    assert target == {"n": huge, "m": [negative, 3]}
