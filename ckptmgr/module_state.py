@@ -110,17 +110,18 @@ class OptimizerState:
         groups cannot be matched with this optimizer's (another number of groups; for a
         checkpoint keyed by position, other group sizes)."""
         self._check_groups(saved)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if _keyed_by_position(saved):  # written from optimizer.state_dict() (older ckptmgr)
-            positions = range(sum(len(g["params"]) for g in self.optimizer.param_groups))
-            stored: set[Any] = {index for index in positions if saved.has("state", index)}
-            if stored:
-                create_state(self.optimizer)
-            template = self.optimizer.state_dict()
+            keys: list[Any] = list(range(len(params)))
         else:
-            stored = {name for name in self._names() if saved.has("state", name)}
-            if stored:
-                create_state(self.optimizer)
-            template = self.state_dict()
+            keys = self._names()
+        stored: set[Any] = {key for key in keys if saved.has("state", key)}
+        # Every parameter the checkpoint holds state for gets state to load it into (those
+        # that have some already keep it until the load replaces it).
+        create_state(
+            self.optimizer, [p for key, p in zip(keys, params, strict=True) if key in stored]
+        )
+        template = self.optimizer.state_dict() if _keyed_by_position(saved) else self.state_dict()
         template["state"] = {k: v for k, v in template["state"].items() if k in stored}
         return template
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 
@@ -26,31 +28,40 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def create_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the lazily built per-parameter state of an optimizer that has none yet.
+def create_state(
+    optimizer: torch.optim.Optimizer, params: Collection[torch.Tensor] | None = None
+) -> None:
+    """Create the lazily built per-parameter state of the parameters that have none yet
+    (of those in ``params``, when given).
 
-    Takes one step with zero gradients and every learning rate set to 0, as
-    ``torch.distributed.checkpoint.state_dict`` does, so that standard optimizers leave the
-    parameters unchanged; the learning rates and any existing gradients are put back afterwards.
-    The state it creates is meant to be overwritten by a restore. Does nothing when the optimizer
-    already has state.
+    Takes one step with zero gradients for those parameters only (the others have no gradient
+    during it, so the step leaves them and their state alone) and every learning rate set to
+    0, as ``torch.distributed.checkpoint.state_dict`` does, so that standard optimizers leave
+    the parameters unchanged; the learning rates and the gradients are put back afterwards.
+    The state it creates is meant to be overwritten by a restore. Does nothing when every such
+    parameter has state.
     """
-    if optimizer.state:
-        return
+    wanted = None if params is None else {id(param) for param in params}
     grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     rates: list[tuple[dict, object]] = []
+    creating = False
     try:
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if param.requires_grad:
-                    grads.append((param, param.grad))
+                grads.append((param, param.grad))
+                lacking = param not in optimizer.state and (wanted is None or id(param) in wanted)
+                if lacking and param.requires_grad:
                     param.grad = torch.zeros_like(param)
+                    creating = True
+                else:
+                    param.grad = None
             if "lr" in group:
                 rates.append((group, group["lr"]))
                 lr = group["lr"]
                 group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
-        with torch.no_grad():
-            optimizer.step()
+        if creating:
+            with torch.no_grad():
+                optimizer.step()
     finally:
         for group, lr in rates:
             group["lr"] = lr

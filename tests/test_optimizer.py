@@ -255,3 +255,40 @@ def test_an_optimizer_with_other_parameter_groups_is_refused_before_anything_cha
     assert all(torch.equal(v, before[k]) for k, v in target_model.state_dict().items())
     assert [g["lr"] for g in target_optimizer.param_groups] == [0.5, 0.5]
     assert not target_optimizer.state
+
+
+def test_saved_state_of_a_parameter_the_live_optimizer_has_none_for_is_restored(
+    ckpt_dir: Path,
+) -> None:
+    """The optimizer restored into has state for some parameters only (a layer was frozen in
+    the steps it took): the checkpoint's state of the others is restored too, not dropped, and
+    the parameters themselves are the checkpoint's."""
+
+    def model() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    torch.manual_seed(0)
+    saved_model = model()
+    saved_optimizer = torch.optim.Adam(saved_model.parameters(), lr=0.01)
+    saved_model(torch.randn(3, 4)).sum().backward()
+    saved_optimizer.step()
+    target_model = model()
+    target_optimizer = torch.optim.Adam(target_model.parameters(), lr=0.01)
+    target_model[1].weight.requires_grad_(False)  # frozen for the steps taken so far
+    target_model(torch.randn(3, 4)).sum().backward()
+    target_optimizer.step()
+    target_optimizer.zero_grad()
+    target_model[1].weight.requires_grad_(True)
+    assert len(target_optimizer.state) == 3
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"model": saved_model, "optim": saved_optimizer})
+        mgr.restore(1, {"model": target_model, "optim": target_optimizer})
+    for saved_param, target_param in zip(
+        saved_model.parameters(), target_model.parameters(), strict=True
+    ):
+        assert torch.equal(saved_param, target_param)
+        saved_state = saved_optimizer.state[saved_param]
+        target_state = target_optimizer.state[target_param]
+        assert sorted(saved_state) == sorted(target_state)
+        for key, value in saved_state.items():
+            assert torch.equal(value, target_state[key]), key
