@@ -922,7 +922,12 @@ class CheckpointManager:
             plan_error = exc
         # DCP's load is collective: every rank learns first whether any rank could not match its
         # state against the checkpoint, so that such a rank never leaves the others waiting.
-        self._agree_on_restore(step, plan_error, group)
+        try:
+            self._agree_on_restore(step, plan_error, group)
+        except BaseException:
+            if plan is not None:  # another rank failed: leave this rank's state as it was
+                plan.abandon()
+            raise
         assert plan is not None and reader is not None
         load_error: Exception | None = None
         try:

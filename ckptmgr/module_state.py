@@ -87,6 +87,7 @@ class OptimizerState:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
+        self._created: list[torch.Tensor] = []  # whose state restore_template created
 
     def state_dict(self) -> dict[str, Any]:
         """``{"state": {name: {...}}, "param_groups": [{..., "params": [name, ...]}]}``.
@@ -118,12 +119,19 @@ class OptimizerState:
         stored: set[Any] = {key for key in keys if saved.has("state", key)}
         # Every parameter the checkpoint holds state for gets state to load it into (those
         # that have some already keep it until the load replaces it).
-        create_state(
+        self._created = create_state(
             self.optimizer, [p for key, p in zip(keys, params, strict=True) if key in stored]
         )
         template = self.optimizer.state_dict() if _keyed_by_position(saved) else self.state_dict()
         template["state"] = {k: v for k, v in template["state"].items() if k in stored}
         return template
+
+    def forget_created_state(self) -> None:
+        """Drop the state :meth:`restore_template` created, for a restore that does not go on:
+        the optimizer is left as it was (its parameters were not changed)."""
+        for param in self._created:
+            self.optimizer.state.pop(param, None)
+        self._created = []
 
     def _check_groups(self, saved: SavedEntries) -> None:
         saved_sizes = _saved_group_sizes(saved)

@@ -30,7 +30,7 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 def create_state(
     optimizer: torch.optim.Optimizer, params: Collection[torch.Tensor] | None = None
-) -> None:
+) -> list[torch.Tensor]:
     """Create the lazily built per-parameter state of the parameters that have none yet
     (of those in ``params``, when given).
 
@@ -39,12 +39,12 @@ def create_state(
     0, as ``torch.distributed.checkpoint.state_dict`` does, so that standard optimizers leave
     the parameters unchanged; the learning rates and the gradients are put back afterwards.
     The state it creates is meant to be overwritten by a restore. Does nothing when every such
-    parameter has state.
+    parameter has state. Returns the parameters whose state it created.
     """
     wanted = None if params is None else {id(param) for param in params}
     grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     rates: list[tuple[dict, object]] = []
-    creating = False
+    creating: list[torch.Tensor] = []
     try:
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -52,7 +52,7 @@ def create_state(
                 lacking = param not in optimizer.state and (wanted is None or id(param) in wanted)
                 if lacking and param.requires_grad:
                     param.grad = torch.zeros_like(param)
-                    creating = True
+                    creating.append(param)
                 else:
                     param.grad = None
             if "lr" in group:
@@ -67,3 +67,4 @@ def create_state(
             group["lr"] = lr
         for param, grad in grads:
             param.grad = grad
+    return creating

@@ -182,11 +182,18 @@ class RestorePlan:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     # Applied after the tensors are loaded: set plain values, then call load_state_dict().
     finishers: list[Callable[[], None]] = field(default_factory=list)
+    # Undo what planning changed (optimizer state created to load into), newest first.
+    undo: list[Callable[[], None]] = field(default_factory=list)
 
     def finish(self) -> None:
         """Write plain values into their containers and hand state dicts back to their owners."""
         for finisher in self.finishers:
             finisher()
+
+    def abandon(self) -> None:
+        """Undo what planning changed, for a restore that does not go on."""
+        while self.undo:
+            self.undo.pop()()
 
 
 def plan_restore(
@@ -217,12 +224,16 @@ def plan_restore(
         TrainingObjects(state), set(saved_tensors), saved_objects, rank, objects_rank
     )
     exact = type(state) is dict  # reading an item runs no code: a tensor is planned at once
-    for key in list(state):
-        path = join_path("", key)
-        if exact and type(value := state[key]) in _TENSOR_TYPES:
-            planner.plan_tensor(value, path, private=False)
-        else:
-            planner.visit_child(state, key, path, private=False)
+    try:
+        for key in list(state):
+            path = join_path("", key)
+            if exact and type(value := state[key]) in _TENSOR_TYPES:
+                planner.plan_tensor(value, path, private=False)
+            else:
+                planner.visit_child(state, key, path, private=False)
+    except BaseException:
+        planner.plan.abandon()
+        raise
     # Finishers were appended in post-order: inner containers first, owners' load_state_dict last.
     return planner.plan
 
@@ -333,6 +344,9 @@ class _RestorePlanner:
             owner = value
             template = getattr(owner, "restore_template", None)
             if template is not None:
+                forget = getattr(owner, "forget_created_state", None)
+                if forget is not None:
+                    self.plan.undo.append(forget)
                 holder = {"state": template(_Saved(self, path, private))}
             else:
                 holder = {"state": owner.state_dict()}

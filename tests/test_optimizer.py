@@ -292,3 +292,26 @@ def test_saved_state_of_a_parameter_the_live_optimizer_has_none_for_is_restored(
         assert sorted(saved_state) == sorted(target_state)
         for key, value in saved_state.items():
             assert torch.equal(value, target_state[key]), key
+
+
+def test_a_failed_restore_leaves_a_fresh_optimizer_without_state(ckpt_dir: Path) -> None:
+    """A restore that fails in planning (a key the checkpoint lacks, after the optimizer) drops
+    the state it created to load into: the optimizer is as it was, without state (it kept a
+    step count of 1 and moments from weight decay), and a later restore works."""
+    torch.manual_seed(0)
+    saved_model = nn.Linear(4, 2)
+    saved_optimizer = torch.optim.Adam(saved_model.parameters(), lr=0.01)
+    saved_model(torch.randn(3, 4)).sum().backward()
+    saved_optimizer.step()
+    target_model = nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in target_model.state_dict().items()}
+    target_optimizer = torch.optim.Adam(target_model.parameters(), lr=0.01, weight_decay=0.1)
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"model": saved_model, "optim": saved_optimizer})
+        with pytest.raises(CheckpointError, match="'epoch'"):
+            mgr.restore(1, {"model": target_model, "optim": target_optimizer, "epoch": 0})
+        assert len(target_optimizer.state) == 0
+        assert all(torch.equal(v, before[k]) for k, v in target_model.state_dict().items())
+        mgr.restore(1, {"model": target_model, "optim": target_optimizer})
+    assert len(target_optimizer.state) == 2
+    assert torch.equal(target_model.weight, saved_model.weight)
