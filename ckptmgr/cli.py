@@ -638,12 +638,20 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def verify_report(storage: CheckpointStorage, steps: Sequence[int], *, deep: bool) -> Report:
-    """The JSON document of ``ckptmgr verify``."""
+    """The JSON document of ``ckptmgr verify``. A step that failed its check and is no longer
+    in storage was deleted meanwhile (retention of a job writing the root): it is listed under
+    ``deleted_meanwhile``, not as damaged."""
     quarantined = set(storage.quarantined_steps())
+    rows = [verify_step(storage, step, deep, step in quarantined) for step in steps]
+    deleted: list[int] = []
+    if any(not row["ok"] for row in rows):
+        present = set(storage.committed_steps()) | set(storage.quarantined_steps())
+        deleted = [row["step"] for row in rows if not row["ok"] and row["step"] not in present]
     return {
         "root": storage.url,
         "deep": deep,
-        "steps": [verify_step(storage, step, deep, step in quarantined) for step in steps],
+        "steps": [row for row in rows if row["step"] not in deleted],
+        "deleted_meanwhile": deleted,
     }
 
 
@@ -681,6 +689,8 @@ def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: 
 
 def render_verify(report: Report, out: TextIO) -> None:
     """The table of ``ckptmgr verify``, then one line per problem."""
+    for step in report["deleted_meanwhile"]:
+        print(f"step {step} was deleted while it was being checked", file=out)
     if not report["steps"]:
         print(f"no committed steps under {report['root']}", file=out)
         return

@@ -498,6 +498,32 @@ def test_cli_verify_reports_damage_with_exit_status_1(tmp_path: Path) -> None:
     assert text.returncode == 1 and "quarantined" in text.stdout
 
 
+def test_cli_verify_reports_a_step_deleted_while_it_is_checked_as_deleted_not_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ckptmgr verify` of a root that a job is writing: a step its retention deletes between
+    the listing and the check is reported as deleted meanwhile, and the exit status is 0 (it
+    was reported damaged, status 1). Fault injection: the check of step 1 deletes it first."""
+    from ckptmgr import cli
+
+    root = str(tmp_path / "ckpts")
+    with manager(root) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_of(step))
+    original = cli.verify_step
+
+    def deleted_first(storage: CheckpointStorage, step: int, *args: object) -> object:
+        if step == 1:
+            storage.delete_step(1)  # the writing job's retention, just now
+        return original(storage, step, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cli, "verify_step", deleted_first)
+    assert cli.main(["verify", root, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["deleted_meanwhile"] == [1]
+    assert [(row["step"], row["ok"]) for row in report["steps"]] == [(2, True)]
+
+
 # -- several ranks -------------------------------------------------------------------------------
 
 TWO_RANKS = r"""
