@@ -692,7 +692,8 @@ class CheckpointStorage:
                 continue
             try:
                 if self.is_local:
-                    self._remove_local_tree(leftover.path)
+                    if not self._remove_local_leftover(leftover):
+                        continue
                 else:
                     files = self._find(leftover.path)
                     if RECORD_NAME in files:  # committed meanwhile (a slow writer): keep it
@@ -726,6 +727,25 @@ class CheckpointStorage:
                 except FileNotFoundError:
                     continue
         return newest
+
+    def _remove_local_leftover(self, leftover: Leftover) -> bool:
+        """Remove a local leftover; False when it is gone or turned out committed. An
+        uncommitted ``step_<N>/`` is first renamed aside and checked again there, so that a
+        save of step N that commits meanwhile (its commit replaces that directory) is never
+        removed with it."""
+        path = leftover.path
+        if parse_step_dir_name(leftover.name) is not None:
+            aside = self.path(f"{DELETING_PREFIX}{leftover.name}-{time.time_ns()}")
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:
+                return False
+            if os.path.exists(os.path.join(aside, RECORD_NAME)):  # committed meanwhile
+                os.rename(aside, path)
+                return False
+            path = aside
+        self._remove_local_tree(path)
+        return True
 
     @staticmethod
     def _remove_local_tree(path: str) -> None:

@@ -636,6 +636,36 @@ def test_a_leftover_gone_while_the_sweep_looks_at_it_is_skipped(
     assert [p for p in leftovers if p.exists()] == []
 
 
+def test_the_sweep_never_removes_a_step_committed_while_it_sweeps(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An old uncommitted step_<N>/ is a leftover; if a save of step N commits (replacing that
+    directory) after the sweep listed it and before it removes it, the committed step stays.
+    The sweep removed it. Fault injection: the other save commits right after the listing."""
+    stale = ckpt_dir / "step_000000000005"
+    stale.mkdir(parents=True)
+    (stale / "__0_0.distcp").write_bytes(b"partial data")
+    past = time.time() - 3600
+    for path in (stale / "__0_0.distcp", stale):
+        os.utime(path, (past, past))
+    writer = CheckpointStorage(str(ckpt_dir))
+    write_dir = writer.write_dir(5, "b" * 16)
+    writer.prepare_write_dir(write_dir)
+    Path(write_dir, "__0_0.distcp").write_bytes(b"DATA")
+    original = CheckpointStorage.leftovers
+
+    def listing_then_a_commit(self: CheckpointStorage) -> Any:
+        found = original(self)
+        record = CommitRecord(step=5, save_id="b" * 16, committed_at=utc_now(), world_size=1)
+        writer.commit(5, write_dir, record)
+        return found
+
+    monkeypatch.setattr(CheckpointStorage, "leftovers", listing_then_a_commit)
+    assert CheckpointStorage(str(ckpt_dir)).remove_leftovers(600) == []
+    assert writer.committed_steps() == [5]
+    assert (stale / "__0_0.distcp").read_bytes() == b"DATA"
+
+
 # -- backpressure --------------------------------------------------------------------------------
 
 
