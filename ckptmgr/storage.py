@@ -695,9 +695,13 @@ class CheckpointStorage:
                     if not self._remove_local_leftover(leftover):
                         continue
                 else:
-                    files = self._find(leftover.path)
+                    files = self._find(leftover.path)  # anew: a writer may be at it again
                     if RECORD_NAME in files:  # committed meanwhile (a slow writer): keep it
                         continue
+                    now = time.time()
+                    ages = [_info_mtime(info) for info in files.values()]
+                    if any(t is None or now - t < grace_s for t in ages):
+                        continue  # written to since it was listed: not left over after all
                     self._remove_tree(leftover.path, [f"{leftover.path}/{n}" for n in files])
                 removed.append(leftover.name)
             except Exception as exc:

@@ -15,7 +15,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -664,6 +664,31 @@ def test_the_sweep_never_removes_a_step_committed_while_it_sweeps(
     assert CheckpointStorage(str(ckpt_dir)).remove_leftovers(600) == []
     assert writer.committed_steps() == [5]
     assert (stale / "__0_0.distcp").read_bytes() == b"DATA"
+
+
+def test_the_remote_sweep_removes_nothing_written_since_it_listed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an object store the sweep lists the leftover again before deleting it; files written
+    since its first listing (a new save of that step has begun) are not deleted with it. They
+    were: their age was never looked at. Fault injection: the first listing reports the
+    leftover an hour old, and the other save replaces its file right after."""
+    memory = fsspec.filesystem("memory")
+    storage = CheckpointStorage("memory://remote-sweep")
+    step_dir = storage.step_path(5)
+    memory.pipe_file(f"{step_dir}/old.distcp", b"old")  # an interrupted delete of step 5
+    original = CheckpointStorage._remote_leftovers
+
+    def listing_then_a_new_save(self: CheckpointStorage) -> Any:
+        found = [replace(leftover, age_s=3600.0) for leftover in original(self)]
+        memory.rm_file(f"{step_dir}/old.distcp")  # the other save's prepare_write_dir ...
+        memory.pipe_file(f"{step_dir}/__0_0.distcp", b"fresh data")  # ... and its first write
+        return found
+
+    monkeypatch.setattr(CheckpointStorage, "_remote_leftovers", listing_then_a_new_save)
+    assert storage.remove_leftovers(600) == []
+    assert memory.cat_file(f"{step_dir}/__0_0.distcp") == b"fresh data"
+    memory.rm("/remote-sweep", recursive=True)
 
 
 # -- backpressure --------------------------------------------------------------------------------
