@@ -325,10 +325,10 @@ def test_an_owner_record_of_another_pid_namespace_waits_for_its_heartbeat(
 
 
 def _unused_pid() -> int:
-    """A pid that no process has now (above every running pid, below pid_max)."""
-    highest = max(int(name) for name in os.listdir("/proc") if name.isdigit())
+    """A pid that no process has now: the highest free one below pid_max (pids are handed
+    out upwards, so it is the last to be taken)."""
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-    for pid in range(highest + 1000, pid_max):
+    for pid in range(pid_max - 1, 300, -1):
         if not Path(f"/proc/{pid}").exists():
             return pid
     raise AssertionError("no free pid")
