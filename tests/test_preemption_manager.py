@@ -136,3 +136,45 @@ def test_exit_after_save_exits_with_128_plus_the_signal_once_committed(ckpt_dir:
         restored = {"w": torch.zeros(4)}
         reader.restore(7, restored)
     assert torch.equal(restored["w"], torch.full((4,), 7.0))
+
+
+AGREE_EVERY_CHILD = """
+import signal, sys, tempfile
+import torch, torch.distributed as dist
+from ckptmgr import CheckpointManager, PreemptionConfig, SaveEveryNSeconds
+
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+config = PreemptionConfig(signals=["SIGUSR1"], gce=False, aws=False, azure=False,
+                          agree_every_n_steps=2)
+with CheckpointManager(sys.argv[1] + "/a", save_interval=1000, preemption=config) as mgr:
+    signal.raise_signal(signal.SIGUSR1)  # a real signal to this process
+    for step in range(1, 21):
+        if mgr.should_save(step):
+            print("should_save", step, "save returned", mgr.save(step, {"w": torch.zeros(2)}))
+        if mgr.reached_preemption(step):
+            break
+    print("preemption steps", mgr.all_steps(), flush=True)
+with CheckpointManager(sys.argv[1] + "/b", save_policy=SaveEveryNSeconds(0.001),
+                       chkpt_on_preemption=False, preemption=config) as mgr:
+    for step in range(1, 11):
+        if mgr.should_save(step):
+            mgr.save(step, {"w": torch.zeros(2)})
+    print("policy steps", mgr.all_steps(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_agree_every_n_steps_agrees_once_per_step_so_save_follows_should_save(
+    tmp_path: Path,
+) -> None:
+    """With agree_every_n_steps=2 under torch.distributed (gloo, one rank here), the documented
+    `if should_save(step): save(step)` saves: the agreement is per step, and save(step) reuses
+    should_save(step)'s. The count went up per call, so save() fell on the decisions without
+    agreement and returned False at every step: no preemption checkpoint, and a time-based
+    save policy never saved."""
+    result = run_python(AGREE_EVERY_CHILD, str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "should_save 2 save returned True", result.stdout
+    assert "preemption steps [2]" in lines
+    assert "policy steps [2, 4, 6, 8, 10]" in lines
