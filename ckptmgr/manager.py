@@ -227,8 +227,8 @@ class CheckpointManager:
             if self._lease is not None:
                 self._lease.release()
             raise
-        self._decisions = 0  # steps decided by agreement, the same count on every rank
-        self._last_agreement: tuple[int, bool, bool] | None = None  # (step, notice, scheduled)
+        self._steps_decided = 0  # steps with an agreed decision, the same count on every rank
+        self._last_decided_step: int | None = None
         self._answered_notice: PreemptionNotice | None = None  # its exit_code for exit_after_save
         self._closed = False
         log.info("checkpoints at %s: committed steps %s", config.path, sorted(self._committed))
@@ -271,11 +271,9 @@ class CheckpointManager:
     def _agreed_notice_and_schedule(self, step: int) -> tuple[bool, bool]:
         """(a preemption notice on any rank, rank 0's save policies want ``step``).
 
-        Agreed once per step: a second decision on the same step (``save(s)`` after
-        ``should_save(s)``) gets the same answer, without another collective.
+        With ``agree_every_n_steps=N`` the ranks agree at every decision of every Nth step
+        decided (counted per step, so that ``save(s)`` after ``should_save(s)`` agrees too).
         """
-        if self._last_agreement is not None and self._last_agreement[0] == step:
-            return self._last_agreement[1], self._last_agreement[2]
         monitor = self._preemption
         # On XLA, ask its sync manager at every step on every host (it owns SIGTERM there).
         xla_sync = monitor.xla_sync_point(step) if monitor is not None else None
@@ -290,14 +288,16 @@ class CheckpointManager:
         scheduled = self._schedule.wants(step, time.monotonic())
         if self._preemption is None and not self._schedule_needs_agreement:
             return False, scheduled  # every rank computes the same answer: no collective
-        self._decisions += 1
-        if self._comm.distributed and self._decisions % self.config.preemption.agree_every_n_steps:
+        if step != self._last_decided_step:
+            self._last_decided_step = step
+            self._steps_decided += 1
+        if (
+            self._comm.distributed
+            and self._steps_decided % self.config.preemption.agree_every_n_steps
+        ):
             # Amortised: no collective at this step; rank-dependent policies wait for one.
-            agreed = (False, scheduled and not self._schedule_needs_agreement)
-        else:
-            agreed = self._comm.agree(notice, scheduled)
-        self._last_agreement = (step, *agreed)
-        return agreed
+            return False, scheduled and not self._schedule_needs_agreement
+        return self._comm.agree(notice, scheduled)
 
     def _log_preemption_answered(self, step: int) -> None:
         notice = self._answered_notice
