@@ -164,12 +164,15 @@ class SignalWatcher:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._closed:  # closed off the main thread: put the handlers back now, and act as
-            previous = self._previous.get(signal.Signals(signum))  # the one before would
+        if self._closed:  # act as the handler before this one would
+            previous = self._previous.get(signal.Signals(signum))
+            # Still installed (closed off the main thread): put the handlers back now. Else a
+            # handler installed later calls this one, as its previous: pass the signal on.
+            on_top = signal.getsignal(signum) == self._handle
             self._restore()
             if callable(previous):
                 previous(signum, frame)
-            elif previous is None or previous == signal.SIG_DFL:
+            elif on_top and (previous is None or previous == signal.SIG_DFL):
                 os.kill(os.getpid(), signum)  # the default action, now that it is back
             return
         if not self._pending:
@@ -211,10 +214,13 @@ class SignalWatcher:
             self._restore()
 
     def _restore(self) -> None:
-        for signum, previous in self._previous.items():
+        """Put back the handler before this one wherever this one is still installed. Where a
+        handler installed later is on top (and may call this one), the one before is kept, so
+        that this one passes signals on to it."""
+        for signum, previous in list(self._previous.items()):
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
+                self._previous.pop(signum, None)
 
 
 def build_watchers(config: PreemptionConfig, board: NoticeBoard) -> list[Watcher]:

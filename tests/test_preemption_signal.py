@@ -171,3 +171,47 @@ def test_close_restores_the_default_sigterm_disposition(ckpt_dir: Path) -> None:
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, original)
+
+
+CLOSE_ORDER_CHILD = r"""
+import signal, sys, tempfile
+from ckptmgr import CheckpointManager, PreemptionConfig
+
+seen = []
+signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("before"))
+config = PreemptionConfig(gce=False, aws=False, azure=False, tpu=False)
+first = CheckpointManager(tempfile.mkdtemp(), 10, preemption=config)
+second = CheckpointManager(tempfile.mkdtemp(), 10, preemption=config)  # on top of the first
+first.close()  # the second still calls the first's handler, as the one before it
+signal.raise_signal(signal.SIGTERM)
+print("after a SIGTERM: second notified", second._preemption.notified, "before ran", seen)
+second.close()
+
+def chaining(signum, frame):  # a library's handler, installed after ours, that calls ours
+    seen.append("library")
+    if callable(previous):
+        previous(signum, frame)
+
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+third = CheckpointManager(tempfile.mkdtemp(), 10, preemption=config)
+previous = signal.signal(signal.SIGTERM, chaining)
+third.close()
+seen.clear()
+signal.raise_signal(signal.SIGTERM)
+print("library handler ran", seen, flush=True)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+"""
+
+
+def test_a_closed_managers_handler_under_a_later_one_passes_signals_on(tmp_path: Path) -> None:
+    """A manager closed while a later handler sits on top of its own (a second manager made
+    while it was open, or a library that calls the handler before it) cannot take its handler
+    out: it passes signals on to the handler before it. It forgot that one and re-sent the
+    signal to the process, which called it again: RecursionError for one SIGTERM."""
+    from conftest import run_python
+
+    result = run_python(CLOSE_ORDER_CHILD, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "after a SIGTERM: second notified True before ran ['before']", lines
+    assert lines[1] == "library handler ran ['library']", lines
