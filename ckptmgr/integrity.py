@@ -128,10 +128,13 @@ class HashingWriter(io.RawIOBase):
         return self.size
 
     def fileno(self) -> int:
-        """The target's file descriptor (``io.UnsupportedOperation`` when it has none)."""
+        """The target's file descriptor (``io.UnsupportedOperation`` when it has none), with
+        the target flushed first: DCP fsyncs ``fileno()`` without a flush, and an fsync of a
+        descriptor whose bytes are still in Python's buffer makes none of them durable."""
         fileno = getattr(self._target, "fileno", None)
         if fileno is None:
             raise io.UnsupportedOperation("fileno")
+        self.flush()
         return int(fileno())
 
     def flush(self) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 
 import _crash_child as child_state
 import pytest
+import torch
 from conftest import REPO
 
 from ckptmgr import CheckpointManager, StepNotFoundError
@@ -368,3 +369,28 @@ def test_sigkill_inside_a_large_write(pool: ChildPool, tmp_path: Path) -> None:
             seen_tmp = True
             break
     assert seen_tmp, "no kill landed inside the write of step 1 in three tries"
+
+
+def test_every_file_of_a_step_is_fsynced_with_all_its_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file of a step is on disk in full when it is fsynced, so that a power loss after the
+    commit cannot leave it short. DCP fsyncs .metadata through ckptmgr's checksumming stream
+    without a flush: the fsync covered 0 of its bytes, which were still in Python's buffer."""
+    sizes_at_fsync: dict[str, int] = {}
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        sizes_at_fsync[name] = os.fstat(fd).st_size
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"w": torch.ones(100_000), "step": 1})
+    monkeypatch.undo()
+    step_dir = tmp_path / "step_000000000001"
+    files = {path.name: path.stat().st_size for path in step_dir.iterdir()}
+    assert sizes_at_fsync[".metadata.tmp"] == files[".metadata"] > 0
+    for name in ("__0_0.distcp", "objects-rank00000.json", "commit.json"):
+        assert sizes_at_fsync[name] == files[name], name
