@@ -110,8 +110,17 @@ if _StorageInfo is not None:
     _ALLOWED_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
 
 
+# torch's dtypes, layouts and memory formats by name, read from the module's own namespace:
+# a name from the file never reaches getattr(torch, ...), whose lazy submodules would import.
+_TORCH_ENUMS: dict[str, Any] = {
+    name: value
+    for name, value in vars(torch).items()
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+}
+
+
 def _layout_by_name(name: str) -> torch.layout:
-    layout = getattr(torch, name.removeprefix("torch."), None)
+    layout = _TORCH_ENUMS.get(name.removeprefix("torch."))
     if not isinstance(layout, torch.layout):
         raise pickle.UnpicklingError(f"unknown tensor layout {name!r}")
     return layout
@@ -120,18 +129,38 @@ def _layout_by_name(name: str) -> torch.layout:
 _ALLOWED_GLOBALS[("torch.serialization", "_get_layout")] = _layout_by_name
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that can build DCP metadata objects and nothing else."""
+_SHARED_OBJECTS = {id(value) for value in (*_ALLOWED_GLOBALS.values(), *_TORCH_ENUMS.values())}
+"""What find_class hands out: classes, functions and torch's enum objects of this process."""
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """An unpickler that can build DCP metadata objects and nothing else.
+
+    The pure-Python unpickler, for its BUILD step: BUILD sets attributes on the object below it,
+    and the objects that :meth:`find_class` hands out are this process's own (a class, or
+    torch.float32): a file could change them for the whole process. BUILD on one is refused.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         allowed = _ALLOWED_GLOBALS.get((module, name))
         if allowed is not None:
             return allowed
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            return getattr(torch, name)
+        if module == "torch" and name in _TORCH_ENUMS:
+            return _TORCH_ENUMS[name]
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+    def load_build(self) -> None:
+        """BUILD, except on a shared object (a class, function or torch enum)."""
+        target = self.stack[-2]  # BUILD pops the state; the object it sets is below it
+        if id(target) in _SHARED_OBJECTS or isinstance(target, type):
+            raise pickle.UnpicklingError(
+                f"refusing to set attributes of {target!r} from checkpoint metadata"
+            )
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def load_metadata_safely(stream: Any) -> dcp_metadata.Metadata:

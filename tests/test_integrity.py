@@ -7,6 +7,7 @@ ckptmgr notices, names the file, and never runs code from the checkpoint.
 from __future__ import annotations
 
 import json
+import pathlib
 import pickle
 import subprocess
 import uuid
@@ -372,6 +373,31 @@ def forge(root: str, step: int, name: str, data: bytes, *, fix_record: bool) -> 
         if entry["path"] == name:
             entry["size"], entry["crc32"] = len(data), zlib.crc32(data)
     write(root, step, "commit.json", json.dumps(raw).encode())
+
+
+# GLOBAL pathlib.PurePosixPath, then BUILD with slot state {"with_name": OrderedDict}: pickle's
+# BUILD sets attributes of the object below it, here a class of this process.
+CLASS_CHANGING_METADATA = (
+    b"cpathlib\nPurePosixPath\n(N}(Vwith_name\nccollections\nOrderedDict\nutb."
+)
+
+
+def test_crafted_metadata_changes_no_class_of_the_process(root: str) -> None:
+    """A .metadata (its size and CRC forged in the record too) whose BUILD would set an
+    attribute of a class the restricted unpickler hands out is refused, and the class is
+    unchanged. The restore was refused, but PurePosixPath.with_name (every pathlib.Path's) was
+    OrderedDict from then on."""
+    with_name = pathlib.PurePosixPath.with_name
+    try:
+        with manager(root) as mgr:
+            mgr.save(1, state_of(1))
+            forge(root, 1, ".metadata", CLASS_CHANGING_METADATA, fix_record=True)
+            with pytest.raises(CorruptCheckpointError, match="refusing to set attributes"):
+                mgr.restore(1, empty_state())
+        assert pathlib.PurePosixPath.with_name is with_name
+    finally:
+        pathlib.PurePosixPath.with_name = with_name  # type: ignore[method-assign]
+    assert pathlib.PurePosixPath("/a/b.txt").with_name("c.txt") == pathlib.PurePosixPath("/a/c.txt")
 
 
 @pytest.mark.parametrize("fix_record", [False, True])
