@@ -190,12 +190,15 @@ class LocalDataFile:
         self._size += written
 
     def close(self) -> tuple[int, int]:
-        """Flush to disk (with ``fsync``), close, and return (size, CRC-32)."""
+        """Flush to disk (with ``fsync``), close, and return (size, CRC-32). On failure the
+        hashing thread is ended too (as by :meth:`abort`)."""
         try:
             if self._fsync:
                 os.fsync(self._file.fileno())
-        finally:
-            self._file.close()
+        except BaseException:
+            self.abort()
+            raise
+        self._file.close()
         return self._size, self._hasher.result()
 
     def abort(self) -> None:

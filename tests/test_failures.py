@@ -834,3 +834,29 @@ def test_a_remote_root_with_a_wildcard_is_refused(wildcard: str, tmp_path: Path)
         mgr.restore(2, restored)
     assert torch.equal(restored["w"], torch.full((3,), 2.0))
     memory.rm("/runs-wildcard", recursive=True)
+
+
+def test_a_data_file_whose_fsync_fails_leaves_no_hashing_thread(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the fsync of a data file fails, the save fails and the file's hashing thread ends
+    (it waited forever, holding its batch of tensors). Fault injection: fsync of .distcp files
+    raises EIO."""
+    real_fsync = os.fsync
+
+    def failing_for_data_files(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp"):
+            raise OSError(errno.EIO, "injected: I/O error on fsync")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_for_data_files)
+    with CheckpointManager(
+        ckpt_dir, save_interval=1, num_of_threads=2, chkpt_on_preemption=False
+    ) as mgr:
+        with pytest.raises(CheckpointError, match="I/O error on fsync"):
+            mgr.save(1, {f"w{i}": torch.randn(100_000) for i in range(4)})
+        hashing = [t for t in threading.enumerate() if t.name == "ckptmgr-crc32"]
+        for thread in hashing:
+            thread.join(BOUND_S)
+        assert [t for t in hashing if t.is_alive()] == []
+        assert mgr.all_steps() == []
