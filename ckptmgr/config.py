@@ -93,7 +93,10 @@ class CheckpointConfig(BaseModel):
         description="Age after which uncommitted leftovers of interrupted saves are removed.",
     )
     collective_timeout_s: float = Field(
-        default=600.0, gt=0, description="Timeout of the manager's own collectives."
+        default=600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Timeout of the manager's own collectives.",
     )
     take_over: bool = Field(
         default=False,
@@ -104,6 +107,7 @@ class CheckpointConfig(BaseModel):
     lease_timeout_s: float = Field(
         default=60.0,
         gt=0,
+        allow_inf_nan=False,
         description="An owner lease whose heartbeat is older than this many seconds (and than "
         "the owner's own lease_timeout_s) is taken over (the heartbeat is refreshed every "
         "lease_timeout_s / 4).",

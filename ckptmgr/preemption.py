@@ -40,6 +40,19 @@ log = logging.getLogger(__name__)
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+# Sent in normal operation (a child process exits, the terminal is resized, a stopped job goes
+# on) or for a fault of the process itself: never a notice that the machine goes away.
+_NOT_NOTICES = {
+    "SIGCHLD",
+    "SIGCLD",
+    "SIGWINCH",
+    "SIGURG",
+    "SIGCONT",
+    "SIGSEGV",
+    "SIGBUS",
+    "SIGFPE",
+    "SIGILL",
+}
 #: How long :meth:`PreemptionMonitor.close` waits for its threads, in all.
 CLOSE_TIMEOUT_S = 1.0
 
@@ -113,6 +126,11 @@ class PreemptionConfig(BaseModel):
                 raise ValueError(f"unknown signal name {name!r} in preemption.signals")
             if full in _UNCATCHABLE:
                 raise ValueError(f"{full} cannot be caught; it cannot be a preemption notice")
+            if full in _NOT_NOTICES:
+                raise ValueError(
+                    f"{full} is sent in normal operation or for a fault of the process, not to "
+                    "announce a preemption; it cannot be a preemption notice"
+                )
             if full not in normalized:
                 normalized.append(full)
         return normalized

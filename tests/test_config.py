@@ -26,6 +26,10 @@ INVALID = [
     pytest.param("max_pending_async", 0, id="max_pending_async=0"),
     pytest.param("max_pending_async", False, id="max_pending_async=False"),
     pytest.param("num_of_threads", 0, id="num_of_threads=0"),
+    # inf broke the lease heartbeat (OverflowError) and the process group's timeout
+    pytest.param("lease_timeout_s", float("inf"), id="lease_timeout_s=inf"),
+    pytest.param("collective_timeout_s", float("inf"), id="collective_timeout_s=inf"),
+    pytest.param("collective_timeout_s", float("nan"), id="collective_timeout_s=nan"),
 ]
 
 XLA_PARAMETERS = [
@@ -218,3 +222,15 @@ def test_keyword_call_like_torch_xla(ckpt_dir: Path) -> None:
         assert manager.config.max_pending_async == 2
         assert save_steps(manager, range(7)) == [0, 3, 6]
         assert manager.all_steps() == [0, 3, 6]  # max_to_keep=0 keeps every step
+
+
+@pytest.mark.parametrize("name", ["CHLD", "SIGWINCH", "CONT", "SIGSEGV", "SIGBUS", "URG"])
+def test_signals_of_normal_operation_or_faults_are_not_preemption_notices(name: str) -> None:
+    """SIGCHLD arrives whenever a child process (a DataLoader worker) exits: as a notice it
+    saved and, with exit_after_save, ended the job; faults and job control are no notices
+    either."""
+    from ckptmgr import PreemptionConfig
+
+    with pytest.raises(ValueError, match="cannot be a preemption notice"):
+        PreemptionConfig(signals=[name])
+    assert PreemptionConfig(signals=["TERM", "SIGUSR1"]).signals == ["SIGTERM", "SIGUSR1"]
