@@ -318,8 +318,23 @@ class PreemptionMonitor:
 
     def xla_sync_point(self, step: int) -> bool | None:
         """On XLA: whether ``step`` is the sync point agreed by all hosts after a SIGTERM.
-        None when XLA's sync manager is not used. Call it at every step on every host."""
-        return None if self._xla is None else self._xla.sync_point_reached(step)
+        None when XLA's sync manager is not used. Call it at every step on every host.
+
+        The sync point is one step only: it is also posted as a notice, pending (as any
+        other) until the preemption checkpoint commits, so a failed save is tried again at
+        the next step."""
+        if self._xla is None:
+            return None
+        reached = self._xla.sync_point_reached(step)
+        if reached:
+            self._board.post(
+                PreemptionNotice(
+                    f"XLA preemption sync point at step {step}",
+                    time.time(),
+                    signum=int(signal.SIGTERM),
+                )
+            )
+        return reached
 
     @property
     def handled_signals(self) -> list[str]:

@@ -512,6 +512,51 @@ def test_without_torch_xla_the_sync_manager_is_not_used() -> None:
     assert not our_threads()
 
 
+def test_a_failed_save_at_the_xla_sync_point_is_tried_again_at_the_next_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """XLA's sync point is true at one step only; when the preemption save of that step fails,
+    the notice stays pending and the next step saves (it was lost: no preemption checkpoint).
+    torch_xla's binding is faked (its sync point is step 5), and the first commit fails."""
+    import torch
+
+    import ckptmgr.preemption as preemption
+    from ckptmgr import CheckpointError, CheckpointManager
+    from ckptmgr.notices.xla import XlaPreemptionSync
+
+    class SyncPointAtStep5:  # torch_xla._XLAC once a SIGTERM reached a host
+        def _sync_point_reached(self, step: int) -> bool:
+            return step == 5
+
+    monkeypatch.setattr(
+        preemption,
+        "activate_xla_preemption_sync",
+        lambda mode: XlaPreemptionSync(SyncPointAtStep5()),
+    )
+    config = PreemptionConfig(gce=False, aws=False, azure=False)
+    saved: list[tuple[int, bool]] = []
+    with CheckpointManager(tmp_path, 1000, preemption=config) as mgr:
+        real_commit = mgr._storage.commit
+        failures = [OSError("injected: the store failed the commit")]
+
+        def failing_once(*args: Any, **kwargs: Any) -> Any:
+            if failures:
+                raise failures.pop()
+            return real_commit(*args, **kwargs)
+
+        monkeypatch.setattr(mgr._storage, "commit", failing_once)
+        for step in range(1, 11):
+            if mgr.should_save(step):
+                try:
+                    saved.append((step, mgr.save(step, {"w": torch.zeros(2)})))
+                except CheckpointError:
+                    saved.append((step, False))
+            if mgr.reached_preemption(step):
+                break
+        assert saved == [(5, False), (6, True)]
+        assert mgr.all_steps() == [6] and mgr.reached_preemption(6)
+
+
 # -- signals -------------------------------------------------------------------------------------
 def test_off_the_main_thread_no_handler_is_installed(caplog: pytest.LogCaptureFixture) -> None:
     before = signal.getsignal(signal.SIGUSR1)
