@@ -224,6 +224,19 @@ def test_async_save_of_optimizer_holds_values_at_call_time(ckpt_dir: Path) -> No
     assert_same_training_state(restored, saved)
 
 
+def two_layers() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+def trained_one_step(model: nn.Module) -> torch.optim.Optimizer:
+    """An Adam over ``model`` after one step (so it has state), seeded."""
+    torch.manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
 @pytest.mark.parametrize("saved_as", ["optimizer", "state_dict"])
 def test_an_optimizer_with_other_parameter_groups_is_refused_before_anything_changes(
     ckpt_dir: Path, saved_as: str
@@ -232,17 +245,10 @@ def test_an_optimizer_with_other_parameter_groups_is_refused_before_anything_cha
     CheckpointError, and neither the model nor the optimizer is changed: it returned with the
     model loaded and a group without lr or betas (the next step raised KeyError), or, for a
     checkpoint keyed by position, raised a ValueError after loading the model."""
-
-    def model() -> nn.Module:
-        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-
-    torch.manual_seed(0)
-    saved_model = model()
-    saved_optimizer = torch.optim.Adam(saved_model.parameters(), lr=0.01)
-    saved_model(torch.randn(3, 4)).sum().backward()
-    saved_optimizer.step()
+    saved_model = two_layers()
+    saved_optimizer = trained_one_step(saved_model)
     optim = saved_optimizer if saved_as == "optimizer" else saved_optimizer.state_dict()
-    target_model = model()
+    target_model = two_layers()
     before = {k: v.clone() for k, v in target_model.state_dict().items()}
     target_optimizer = torch.optim.Adam(
         [{"params": target_model[0].parameters()}, {"params": target_model[1].parameters()}],
@@ -263,16 +269,9 @@ def test_saved_state_of_a_parameter_the_live_optimizer_has_none_for_is_restored(
     """The optimizer restored into has state for some parameters only (a layer was frozen in
     the steps it took): the checkpoint's state of the others is restored too, not dropped, and
     the parameters themselves are the checkpoint's."""
-
-    def model() -> nn.Sequential:
-        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-
-    torch.manual_seed(0)
-    saved_model = model()
-    saved_optimizer = torch.optim.Adam(saved_model.parameters(), lr=0.01)
-    saved_model(torch.randn(3, 4)).sum().backward()
-    saved_optimizer.step()
-    target_model = model()
+    saved_model = two_layers()
+    saved_optimizer = trained_one_step(saved_model)
+    target_model = two_layers()
     target_optimizer = torch.optim.Adam(target_model.parameters(), lr=0.01)
     target_model[1].weight.requires_grad_(False)  # frozen for the steps taken so far
     target_model(torch.randn(3, 4)).sum().backward()
@@ -298,11 +297,8 @@ def test_a_failed_restore_leaves_a_fresh_optimizer_without_state(ckpt_dir: Path)
     """A restore that fails in planning (a key the checkpoint lacks, after the optimizer) drops
     the state it created to load into: the optimizer is as it was, without state (it kept a
     step count of 1 and moments from weight decay), and a later restore works."""
-    torch.manual_seed(0)
     saved_model = nn.Linear(4, 2)
-    saved_optimizer = torch.optim.Adam(saved_model.parameters(), lr=0.01)
-    saved_model(torch.randn(3, 4)).sum().backward()
-    saved_optimizer.step()
+    saved_optimizer = trained_one_step(saved_model)
     target_model = nn.Linear(4, 2)
     before = {k: v.clone() for k, v in target_model.state_dict().items()}
     target_optimizer = torch.optim.Adam(target_model.parameters(), lr=0.01, weight_decay=0.1)
