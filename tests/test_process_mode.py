@@ -442,6 +442,25 @@ def _thread_waits_in(function: str, thread_prefix: str) -> bool:
     return False
 
 
+def stopped_daemon_after_a_save(mgr: CheckpointManager, tensors: dict[str, Any]) -> Any:
+    """Save ``tensors`` (and join), then stop the daemon with SIGSTOP, so that the next save is
+    certainly in flight in it; returns the daemon."""
+    assert mgr.save_async(1, {"tensors": tensors})
+    mgr.join()
+    daemon = daemon_of(mgr)
+    assert daemon.pid is not None
+    os.kill(daemon.pid, signal.SIGSTOP)
+    return daemon
+
+
+def wait_until_the_writer_waits_for_the_daemon() -> None:
+    """Bounded: the manager's writer thread has sent a request and waits for the answer."""
+    deadline = time.monotonic() + POLL_TIMEOUT_S
+    while not _thread_waits_in("_wait_for_response", "ckptmgr-writer"):
+        assert time.monotonic() < deadline, "the save never reached the daemon"
+        time.sleep(0.01)
+
+
 def test_daemon_killed_during_a_save_fails_that_save_only(ckpt_dir: Path) -> None:
     """The daemon is stopped (SIGSTOP) so that the save is certainly in flight in it, then
     killed: that save fails with CheckpointError from join(); the next save gets a new daemon."""
@@ -449,18 +468,10 @@ def test_daemon_killed_during_a_save_fails_that_save_only(ckpt_dir: Path) -> Non
     doomed = tensor_state(22, "base")
     after = tensor_state(23, "base")
     with process_manager(ckpt_dir) as mgr:
-        assert mgr.save_async(1, {"tensors": first})
-        mgr.join()
-        old = daemon_of(mgr)
-        assert old.pid is not None
-        os.kill(old.pid, signal.SIGSTOP)
+        old = stopped_daemon_after_a_save(mgr, first)
         try:
             assert mgr.save_async(2, {"tensors": doomed})
-            # The manager's writer thread has sent the request and waits for the daemon's answer.
-            deadline = time.monotonic() + POLL_TIMEOUT_S
-            while not _thread_waits_in("_wait_for_response", "ckptmgr-writer"):
-                assert time.monotonic() < deadline, "the save never reached the daemon"
-                time.sleep(0.01)
+            wait_until_the_writer_waits_for_the_daemon()
         finally:
             kill_and_reap(old)
         with pytest.raises(CheckpointError) as raised:
@@ -494,17 +505,10 @@ def test_signals_to_the_whole_process_group_leave_the_daemon_and_its_save_alone(
     first = tensor_state(41, "base")
     in_flight = tensor_state(42, "base")
     with process_manager(ckpt_dir) as mgr:
-        assert mgr.save_async(1, {"tensors": first})
-        mgr.join()
-        daemon = daemon_of(mgr)
-        assert daemon.pid is not None
-        os.kill(daemon.pid, signal.SIGSTOP)  # so that the save is certainly in flight in it
+        daemon = stopped_daemon_after_a_save(mgr, first)
         try:
             assert mgr.save_async(2, {"tensors": in_flight})
-            deadline = time.monotonic() + POLL_TIMEOUT_S
-            while not _thread_waits_in("_wait_for_response", "ckptmgr-writer"):
-                assert time.monotonic() < deadline, "the save never reached the daemon"
-                time.sleep(0.01)
+            wait_until_the_writer_waits_for_the_daemon()
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                 os.kill(daemon.pid, signum)
         finally:
