@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from ckptmgr.errors import CorruptCheckpointError
+from ckptmgr.niceness import lower_calling_thread_priority
 
 PARALLEL_HASHING = True
 """Hash on a helper thread (at a lower priority) beside the I/O, or else on the writing thread."""
@@ -114,7 +115,7 @@ class OrderedHasher:
         self._batch_bytes = 0
 
     def _run(self) -> None:
-        _lower_priority()
+        lower_calling_thread_priority(HASHING_NICENESS)
         crc = 0
         try:
             while True:
@@ -143,18 +144,6 @@ _BACKLOG_POLL_S = 1.0  # how often a waiting add() checks that the hashing threa
 HASHING_NICENESS = 10
 """How much lower than the training loop's the hashing thread's scheduling priority is: when the
 cores are busy, the training loop runs first and the hashing waits."""
-
-
-def _lower_priority() -> None:
-    """Lower the calling thread's scheduling priority by ``HASHING_NICENESS`` (Linux: threads
-    have their own nice value); nothing where that is not supported."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(
-            os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + HASHING_NICENESS
-        )
-    except (AttributeError, OSError):  # pragma: no cover - not Linux, or not allowed
-        pass
 
 
 class TensorSink(Protocol):

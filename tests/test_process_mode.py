@@ -43,7 +43,7 @@ from test_distributed import torchrun
 from torch import nn
 
 from ckptmgr import CheckpointConfig, CheckpointError, CheckpointManager, CommitRecord
-from ckptmgr.save_process import SaveProcess
+from ckptmgr.save_process import DAEMON_NICENESS, SaveProcess
 from ckptmgr.storage import CheckpointStorage
 
 pytestmark = pytest.mark.timeout(240)
@@ -296,6 +296,7 @@ class SingleRun:
     pids: dict[int, int | None]  # step -> the daemon's pid after that step's join
     daemon_alive: bool
     daemon_pid: int | None
+    daemon_niceness: int | None  # the daemon's main thread's nice value (Linux), while it runs
     all_steps: list[int]
     restore_differences: dict[int, list[str]]
 
@@ -343,6 +344,9 @@ def single_run(tmp_path_factory: pytest.TempPathFactory) -> SingleRun:
             pids=pids,
             daemon_alive=daemon.is_alive(),
             daemon_pid=daemon.pid,
+            daemon_niceness=os.getpriority(os.PRIO_PROCESS, daemon.pid)
+            if daemon.pid is not None and hasattr(os, "getpriority")
+            else None,
             all_steps=mgr.all_steps(),
             restore_differences={
                 step: restored_differences(mgr, step, expected[step]) for step in sorted(expected)
@@ -356,6 +360,14 @@ def test_save_async_steps_share_one_daemon(single_run: SingleRun) -> None:
     assert pid is not None and pid != os.getpid()
     assert set(single_run.pids.values()) == {pid}, f"one daemon per manager: {single_run.pids}"
     assert single_run.daemon_alive and single_run.daemon_pid == pid
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values: Linux")
+def test_the_daemon_runs_below_the_training_process_priority(single_run: SingleRun) -> None:
+    # When the cores are busy the training loop runs first: the daemon (and every thread it
+    # starts) is DAEMON_NICENESS below the process that started it, at most 19.
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert single_run.daemon_niceness == min(19, own + DAEMON_NICENESS)
 
 
 def test_every_step_restores_bit_exact_across_a_layout_change(single_run: SingleRun) -> None:

@@ -1,0 +1,20 @@
+"""Running ckptmgr's background work below the training loop's scheduling priority.
+
+When the cores are busy, the training loop should run first and a checkpoint's hashing or
+writing wait: on Linux every thread has its own nice value, which threads it starts inherit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+
+def lower_calling_thread_priority(by: int) -> None:
+    """Raise the calling thread's nice value by ``by`` (capped at 19 by the kernel); threads it
+    starts afterwards inherit it. Nothing where that is not supported or not allowed."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + by)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux, or not allowed
+        pass
