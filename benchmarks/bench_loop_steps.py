@@ -12,6 +12,11 @@ summed excess of the steps, the blocking copy not counted); the share of the loo
 while the job ran (lost / (lost + steps x baseline)); the excess of the first steps after each
 ``save_async``; and the excess by the time since ``save_async`` returned, in 5 ms slices.
 
+The baseline is measured once, and this machine's speed drifts by more than the loss within a
+run. So after each save's job has ended, and as many steps again to let the kernel settle, the
+loop runs as many steps once more with nothing running (the control), and the "paired" loss is
+the save's steps' excess less the control's: the same step count, measured a moment apart.
+
 ``--pin`` (Linux, two CPUs or more) runs the loop alone on CPU 0 and everything else (ckptmgr's
 threads, the checkpoint daemon in process mode) on CPU 1: what remains of the loss then is not
 competition for a core.
@@ -99,6 +104,9 @@ def main() -> None:
         first: list[list[float]] = [[] for _ in range(4)]
         slices: dict[int, float] = {}
         lost = 0.0
+        control_excess = 0.0
+        paired: list[float] = []  # per save: its steps' excess less the control's
+        lost_before = 0.0
         for step in range(1, args.saves + 1):
             torch.set_num_threads(threads)
             started = time.perf_counter()
@@ -122,6 +130,20 @@ def main() -> None:
                     raise TimeoutError(f"a background save took over {_LIMIT_S} s")
             steps += index
             manager.join()
+            # The same number of steps with nothing running, a moment later: what those steps
+            # cost when the machine is as fast or slow as it was during this save. As many
+            # steps run first and are not counted, so that what the save left running in the
+            # kernel (writeback, the journal) stays the save's cost.
+            for _ in range(index):
+                loop.step()
+            control = 0.0
+            for _ in range(index):
+                before = time.perf_counter()
+                loop.step()
+                control += time.perf_counter() - before - baseline
+            control_excess += control
+            paired.append(lost - lost_before - control)
+            lost_before = lost
         baseline_after = loop.baseline(300)
     finally:
         manager.close()
@@ -142,6 +164,14 @@ def main() -> None:
         "steps_per_save": steps / saves,
         "lost_ms_per_save": lost / saves * 1e3,
         "lost_share": lost / (lost + busy) if lost + busy > 0 else 0.0,
+        "control_excess_ms_per_save": control_excess / saves * 1e3,
+        "paired_lost_ms_per_save": (lost - control_excess) / saves * 1e3,
+        "paired_lost_share": (lost - control_excess) / (lost + busy) if lost + busy > 0 else 0.0,
+        "paired_lost_ms_median": statistics.median(paired) * 1e3,
+        "paired_lost_share_median": statistics.median(paired)
+        / (statistics.median(paired) + busy / saves)
+        if busy > 0
+        else 0.0,
         "first_steps_excess_ms": [sum(e) / saves * 1e3 for e in first],
         "excess_ms_by_slice": {
             f"{k * 5}-{k * 5 + 5} ms": v / saves * 1e3 for k, v in sorted(slices.items())
@@ -154,6 +184,14 @@ def main() -> None:
         f"ms; {result['steps_per_save']:.1f} steps per save; lost "
         f"{result['lost_ms_per_save']:.2f} ms per save = {result['lost_share'] * 100:.0f}% of the "
         f"loop's time while the job ran"
+    )
+    print(
+        f"paired with as many steps right after each save, nothing running: those lost "
+        f"{result['control_excess_ms_per_save']:.2f} ms per save; the save cost "
+        f"{result['paired_lost_ms_per_save']:.2f} ms per save = "
+        f"{result['paired_lost_share'] * 100:.0f}% of the loop's time while the job ran; median "
+        f"over the saves {result['paired_lost_ms_median']:.2f} ms = "
+        f"{result['paired_lost_share_median'] * 100:.0f}%"
     )
     firsts = ", ".join(f"{value:.2f}" for value in result["first_steps_excess_ms"])
     print(f"excess of the first steps after save_async returned, ms per save: {firsts}")
