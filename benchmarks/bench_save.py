@@ -15,9 +15,13 @@ N``; ``done`` is the end of its background job, which also deletes what retentio
 peak extra host memory (``VmHWM`` reset through ``/proc/self/clear_refs`` before each operation;
 for ckptmgr the staging memory it keeps between saves is added), and for async saves the cost to
 a training loop running on the calling thread while the background job runs (to its end):
-``slowdown`` (mean step time in the background window / step time just before) and ``lost``
-seconds (window - steps done x baseline step), summed over ``--loop-saves`` saves in a row (ten
-times as many for workload c, whose write lasts only a few steps). Two loops: a compute-bound
+``slowdown`` (the background window / the time as many steps take right after, with nothing
+running) and ``lost`` seconds (from the call to the end of the job, less that control), summed
+over ``--loop-saves`` saves in a row (ten times as many for workload c, whose write lasts only a
+few steps). The control is measured after each save, after a few more steps that let the
+kernel's writeback settle: the machine's speed drifts within a run by more than a small state's
+loss, so a step time measured once before the saves (kept as ``slowdown_vs_baseline``) does not
+do. Two loops: a compute-bound
 one (matmuls on one intra-op thread) and a Python-bound one (many tiny ops).
 
 Workloads: ``a`` = ``--size-mib`` MiB in ``--tensors`` float32 tensors; ``b`` = a ~100M-parameter
@@ -437,6 +441,22 @@ class Bench:
         dirs = [p for p in (self.scratch / "ckptmgr").iterdir() if p.is_dir()]
         return max(dirs, key=lambda p: p.stat().st_mtime)
 
+    def _control(self, loop: str, steps: int, base: float) -> float:
+        """Seconds that ``steps`` steps of ``loop`` take now, with nothing running, after
+        as many steps (at most 0.1 s of them) that let what the save left running in the kernel
+        settle: the control a save's window is compared with."""
+        old_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for _ in range(min(steps, max(1, int(0.1 / base)) if base > 0 else steps)):
+                self.loops[loop].step()
+            started = time.perf_counter()
+            for _ in range(steps):
+                self.loops[loop].step()
+            return time.perf_counter() - started
+        finally:
+            torch.set_num_threads(old_threads)
+
     def _footprint(self, path: Path, is_data: Callable[[Path], bool]) -> Record:
         data = du(path, is_data)
         return {"data_bytes": data, "meta_bytes": du(path) - data}
@@ -474,7 +494,7 @@ class Bench:
             record["done"] = time.perf_counter() - started
             record["commit"] = record["done"] if committed is None else committed(handle) - started
         else:
-            blocking, steps, window, total = 0.0, 0, 0.0, 0.0
+            blocking, steps, window, total, control = 0.0, 0, 0.0, 0.0, 0.0
             saves = saves or self.loop_saves
             for _ in range(saves):
                 started = time.perf_counter()
@@ -492,9 +512,11 @@ class Bench:
                 steps += done_steps
                 window += seconds
                 cleanup()
+                control += self._control(loop, done_steps, base)
             record["blocking"] = blocking / saves
-            record["slowdown"] = (window / steps) / base if steps else float("inf")
-            record["lost"] = (total - steps * base) / saves
+            record["slowdown"] = window / control if control > 0 else float("inf")
+            record["slowdown_vs_baseline"] = (window / steps) / base if steps else float("inf")
+            record["lost"] = (total - control) / saves
             record["window"] = total / saves
         record["extra_mem"] = peak_rss() - rss
         if not loop:
