@@ -26,7 +26,7 @@ class Collectives:
             self.background_group: dist.ProcessGroup | None = None
             self.control_group: dist.ProcessGroup | None = None
             return
-        self._agreement_flags = torch.zeros(2, dtype=torch.int32)
+        self._agreement_flags = torch.zeros(3, dtype=torch.int32)
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
@@ -62,18 +62,22 @@ class Collectives:
         dist.all_gather_object(out, obj, group=group)
         return out
 
-    def agree(self, any_flag: bool, coordinator_flag: bool) -> tuple[bool, bool]:
-        """(``any_flag`` of any rank, rank 0's ``coordinator_flag``) on every rank.
+    def agree(
+        self, any_flag: bool, coordinator_flag: bool, failed: bool = False
+    ) -> tuple[bool, bool, bool]:
+        """(``any_flag`` of any rank, rank 0's ``coordinator_flag``, ``failed`` on any rank) on
+        every rank.
 
-        One 2-element all_reduce(MAX) on the control group: other ranks contribute 0 for the
+        One 3-element all_reduce(MAX) on the control group: other ranks contribute 0 for the
         second flag, so rank 0's value wins.
         """
         if not self.distributed or self.world_size == 1:
-            return any_flag, coordinator_flag
+            return any_flag, coordinator_flag, failed
         mine = coordinator_flag if self.is_coordinator else False
         flags = self._agreement_flags  # one reused buffer: gloo sets up each new one (~0.2 ms)
         flags[0] = int(any_flag)
         flags[1] = int(mine)
+        flags[2] = int(failed)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
-        agreed_any, agreed_coordinator = flags.tolist()
-        return bool(agreed_any), bool(agreed_coordinator)
+        agreed_any, agreed_coordinator, any_failed = flags.tolist()
+        return bool(agreed_any), bool(agreed_coordinator), bool(any_failed)

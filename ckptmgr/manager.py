@@ -285,8 +285,14 @@ class CheckpointManager:
         )
         if notice and monitor is not None and monitor.notice is not None:
             self._answered_notice = monitor.notice  # read before clear(); None on other ranks
-        scheduled = self._schedule.wants(step, time.monotonic())
+        policy_error: Exception | None = None
+        try:
+            scheduled = self._schedule.wants(step, time.monotonic())
+        except Exception as exc:  # a save policy raised: raised on every rank that agrees
+            policy_error, scheduled = exc, False
         if self._preemption is None and not self._schedule_needs_agreement:
+            if policy_error is not None:
+                raise policy_error
             return False, scheduled  # every rank computes the same answer: no collective
         if step != self._last_decided_step:
             self._last_decided_step = step
@@ -295,9 +301,20 @@ class CheckpointManager:
             self._comm.distributed
             and self._steps_decided % self.config.preemption.agree_every_n_steps
         ):
+            if policy_error is not None:
+                raise policy_error
             # Amortised: no collective at this step; rank-dependent policies wait for one.
             return False, scheduled and not self._schedule_needs_agreement
-        return self._comm.agree(notice, scheduled)
+        # A policy that raised on one rank only fails this decision on every rank (a rank that
+        # raised alone would leave the others waiting in this collective).
+        preempt, scheduled, failed = self._comm.agree(notice, scheduled, policy_error is not None)
+        if policy_error is not None:
+            raise policy_error
+        if failed:
+            raise CheckpointError(
+                f"step {step}: a save policy raised on another rank (its error is raised there)"
+            )
+        return preempt, scheduled
 
     def _log_preemption_answered(self, step: int) -> None:
         notice = self._answered_notice

@@ -37,6 +37,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -426,6 +427,43 @@ def scenario_policies(rank: int, ckpt_dir: str) -> dict[str, Any]:
     return record
 
 
+class RaisingOnRank1AtStep2:
+    """A save policy that wants every step, but raises on rank 1 when asked about step 2."""
+
+    def should_save(self, context: Any) -> bool:
+        import torch.distributed as dist
+
+        if context.step == 2 and dist.get_rank() == 1:
+            raise RuntimeError("injected on rank 1: the save policy failed at step 2")
+        return True
+
+
+def scenario_raising_policy(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """A save policy that raises on rank 1 alone: the decision of that step must raise on both
+    ranks at once (not leave rank 0 in the agreement's collective), and the ranks stay in step."""
+    from ckptmgr import CheckpointManager
+
+    record: dict[str, Any] = {"steps": []}
+    with CheckpointManager(
+        ckpt_dir,
+        save_interval=None,
+        save_policy=RaisingOnRank1AtStep2(),
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        chkpt_on_preemption=False,
+    ) as manager:
+        for step in (1, 2, 3):
+            started = time.monotonic()
+            wanted, error = _call(lambda step=step: manager.should_save(step))
+            entry = {"step": step, "should_save": wanted, "error": error}
+            entry["seconds"] = time.monotonic() - started
+            if wanted:
+                entry["saved"] = _call(lambda step=step: manager.save(step, make_state(step, rank)))
+            record["steps"].append(entry)
+        record["all_steps"] = manager.all_steps()
+    record["disk"] = _disk_steps(ckpt_dir)
+    return record
+
+
 PREEMPT_PID_AT_STEP = 3
 PREEMPT_DEADLINE_S = 60.0
 
@@ -675,6 +713,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_diverge(rank, *paths))
         elif scenario == "learned":
             record.update(scenario_learned(rank, *paths))
+        elif scenario == "raising_policy":
+            record.update(scenario_raising_policy(rank, *paths))
         elif scenario == "single":
             record.update(scenario_single(*paths))
         else:

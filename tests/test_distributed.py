@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from _dist_worker import (
+    COLLECTIVE_TIMEOUT_S,
     EARLIER_RUN_LOSS,
     KEPT_STEPS,
     MAX_TO_KEEP,
@@ -446,6 +447,33 @@ def test_a_failure_one_rank_learns_of_alone_fails_the_next_save_on_both(
         assert record["difference"] is None, where
         assert record["steps_final"] == [10], where
         assert record["disk"] == _step_dirs([10]), where
+
+
+def test_a_save_policy_raising_on_one_rank_raises_on_both_and_they_stay_in_step(
+    dirs: dict[str, Path],
+) -> None:
+    """A save policy that raises on rank 1 alone fails that step's decision on both ranks, at
+    once: rank 1 raised alone before, while rank 0 waited in the agreement's all_reduce, which
+    then met rank 1's decision of the next step."""
+    launch = _torchrun("raising_policy", dirs["out"], dirs["ckpt"].parent / "raising_policy")
+    records = launch.checked_records(NPROC)
+    for rank, record in records.items():
+        where = f"rank {rank}"
+        first, failed, third = record["steps"]
+        assert first["should_save"] is True and first["saved"] == [True, None], where
+        assert failed["should_save"] is None, where
+        error = failed["error"]
+        assert error is not None, where
+        if rank == 1:
+            assert error["type"] == "RuntimeError", where
+            assert "injected on rank 1" in error["message"], where
+        else:
+            assert error["is_checkpoint_error"], where
+            assert "a save policy raised on another rank" in error["message"], where
+        assert failed["seconds"] < COLLECTIVE_TIMEOUT_S / 3, f"{where}: {failed['seconds']} s"
+        assert third["should_save"] is True and third["saved"] == [True, None], where
+        assert record["all_steps"] == [1, 3], where
+        assert record["disk"] == _step_dirs([1, 3]), where
 
 
 # -- 4. save and retention policies across ranks and runs ------------------------------------------
