@@ -89,7 +89,7 @@ class _Arena:
         else:
             self._map = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             owner = self._map
-        if pin:
+        if pin and size:  # (frombuffer refuses a zero-length region)
             self.pinned = _register_pinned(owner, self.region(0, size).data_ptr(), size)
 
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
@@ -188,7 +188,7 @@ class StagingBuffers:
         self._staged: dict[str, torch.Tensor] = {}  # cached views into the arena, per key
         self._unit_dst: list[torch.Tensor] = []  # destination region of each unit
         self._empty: dict[str, torch.Tensor] = {}  # zero-element tensors (no arena bytes)
-        self._stream: torch.cuda.Stream | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # side streams, per device
         self._pack_view = torch.empty(0, dtype=torch.uint8)  # the pack region of the arena
         self._copy_dst: list[torch.Tensor] = []  # per unit: where its bytes are copied to
         self._out: dict[str, torch.Tensor] = {}  # what stage() returns (before DTensor rewrap)
@@ -265,7 +265,8 @@ class StagingBuffers:
                 pack_keys = candidates(tensors, pack) if pack is not None else []
                 self._relayout(signature, quick, sources, pack_keys)
             else:  # same layout (e.g. tensors became parameters): recognise them quickly next
-                layout.quick = quick
+                layout.quick = quick  # (and plain tensors may have become DTensors, or back)
+                layout.plain = _is_plain(quick)
             layout = self._layout
         assert layout is not None
         self._copy(layout, sources)
@@ -363,7 +364,7 @@ class StagingBuffers:
                 source = sources[key]
                 view = (key, source.storage_offset(), tuple(source.stride()))
                 members.setdefault(unit, []).append(view)
-        plain = DTensor is None or not any(issubclass(kind, DTensor) for kind, *_ in quick[2])
+        plain = _is_plain(quick)
         self._layout = _Layout(
             signature,
             offset,
@@ -419,28 +420,41 @@ class StagingBuffers:
             src.set_(source.untyped_storage(), start, (size,), (1,))
             srcs[unit] = src
         dsts = self._copy_dst
-        if not layout.on_cpu:
-            host = [i for i, src in enumerate(srcs) if src.device.type == "cpu"]
-            others = [i for i, src in enumerate(srcs) if src.device.type != "cpu"]
-            self._copy_from_devices([(dsts[i], srcs[i]) for i in others])
-            dsts, srcs = [dsts[i] for i in host], [srcs[i] for i in host]
-        if dsts:
-            with torch.no_grad():  # sources may be parameters
+        with torch.no_grad():  # sources may be parameters: no autograd graph on the copies
+            if not layout.on_cpu:
+                host = [i for i, src in enumerate(srcs) if src.device.type == "cpu"]
+                others = [i for i, src in enumerate(srcs) if src.device.type != "cpu"]
+                self._copy_from_devices([(dsts[i], srcs[i]) for i in others])
+                dsts, srcs = [dsts[i] for i in host], [srcs[i] for i in host]
+            if dsts:
                 torch._foreach_copy_(dsts, srcs)
 
     def _copy_from_devices(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Device-to-host copies: non-blocking on a side stream, then one synchronisation."""
-        cuda_pairs = [(d, s) for d, s in pairs if s.device.type == "cuda"]
-        other_pairs = [(d, s) for d, s in pairs if s.device.type != "cuda"]
-        if cuda_pairs:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            stream = self._stream
-            for device in {s.device for _, s in cuda_pairs}:
-                stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
+        """Device-to-host copies: non-blocking on a side stream of each source's device (a
+        CUDA copy runs on the current stream of its source's device), each ordered after that
+        device's current stream, then one synchronisation per device."""
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        other_pairs = []
+        for dst, src in pairs:
+            if src.device.type == "cuda":
+                by_device.setdefault(src.device, []).append((dst, src))
+            else:
+                other_pairs.append((dst, src))
+        used = []
+        for device, cuda_pairs in by_device.items():
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # (also makes ``device`` the current device)
                 for dst, src in cuda_pairs:
-                    dst.copy_(src, non_blocking=dst.is_pinned())
+                    # A lazily conjugated or negated source is copied blocking: a non-blocking
+                    # copy applies the conjugation or negation to the host buffer before the
+                    # bytes arrive (pytorch/pytorch#146286), and they then overwrite it.
+                    lazy = src.is_conj() or src.is_neg()
+                    dst.copy_(src, non_blocking=not lazy and dst.is_pinned())
+            used.append(stream)
+        for stream in used:
             stream.synchronize()
         for dst, src in other_pairs:
             dst.copy_(src)
@@ -486,6 +500,13 @@ def _quick_signature(tensors: Mapping[str, torch.Tensor], pack: bool) -> tuple[o
         list(tensors),
         [(t.__class__, t.dtype, t.shape, t.device) for t in tensors.values()],
     )
+
+
+def _is_plain(quick: tuple[object, ...]) -> bool:
+    """True when the state of this :func:`_quick_signature` holds no DTensor."""
+    kinds = quick[2]
+    assert isinstance(kinds, list)
+    return DTensor is None or not any(issubclass(kind, DTensor) for kind, *_ in kinds)
 
 
 def _views_still_share(layout: _Layout, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -590,9 +611,9 @@ class StagingPool:
                     if others() + needed <= budget:
                         break
 
-            def fits_or_alone() -> bool:
-                busy = [s for s in self._all if s is not slot and s not in self._free]
-                return others() + needed <= budget or not any(s.nbytes for s in busy)
+            def fits_or_alone() -> bool:  # idle slots' arenas count as freed (they are below)
+                busy = sum(s.nbytes for s in self._all if s is not slot and s not in self._free)
+                return busy + needed <= budget or busy == 0
 
             if not fits_or_alone():
                 started = time.perf_counter()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -324,3 +326,140 @@ def test_process_mode_arena_larger_than_free_shared_memory_is_refused(tmp_path: 
         shm = os.statvfs(SHARED_MEMORY_DIR)
         with pytest.raises(CheckpointError, match="shared memory"):
             _Arena(shm.f_bavail * shm.f_frsize + 2**30, pin=False, shared=True)
+
+
+def test_a_slot_released_during_a_budget_wait_lets_the_waiting_slot_go_on() -> None:
+    """Three slots, a budget for two and a half states, two slots in flight: the third waits.
+    Once one of the two is released its arena can be freed, so the third goes on at once; it
+    used to wait for every slot in flight to be released."""
+    nbytes = 4 * 2**20
+    pool = StagingPool(3, budget_bytes=int(2.5 * nbytes))
+    first, second = pool.acquire(timeout_s=1), pool.acquire(timeout_s=1)
+    first.stage({"x": torch.full((nbytes // 4,), 1.0)})
+    second.stage({"x": torch.full((nbytes // 4,), 2.0)})
+    third = pool.acquire(timeout_s=1)
+    staged: dict[str, torch.Tensor] = {}
+    thread = threading.Thread(
+        target=lambda: staged.update(third.stage({"x": torch.full((nbytes // 4,), 3.0)}))
+    )
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not pool._cond._waiters:  # type: ignore[attr-defined]  # bounded poll: it waits
+        assert time.monotonic() < deadline, "the third slot never waited for the budget"
+        time.sleep(0.001)
+    assert not staged
+    pool.release(first)
+    thread.join(timeout=10)
+    try:
+        assert not thread.is_alive(), "the third slot still waits, with `second` in flight"
+        assert torch.equal(staged["x"], torch.full((nbytes // 4,), 3.0))
+        assert first.nbytes == 0  # the released slot's arena was freed for the budget
+        assert pool.nbytes <= 2.5 * nbytes
+    finally:
+        pool.release(second)
+        thread.join(timeout=10)
+    pool.release(third)
+
+
+def test_a_zero_byte_arena_for_pinned_staging_is_allowed() -> None:
+    """A rank whose CUDA tensors are all empty (its shards of a small tensor, say) stages
+    nothing: a zero-byte arena asked to be pinned is simply not pinned (it raised ValueError)."""
+    arena = _Arena(0, pin=True)
+    assert arena.size == 0 and not arena.pinned
+
+
+PLAIN_THEN_DTENSOR = r"""
+import os, socket, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from ckptmgr.staging import StagingBuffers
+
+with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+try:
+    mesh = init_device_mesh("cpu", (1,))
+    buffers = StagingBuffers()
+    plain = {"w": torch.randn(8, 4), "v": torch.randn(100)}
+    buffers.stage(plain)
+    for save in range(2):  # the same local layout as the plain tensors had
+        sharded = {
+            "w": distribute_tensor(torch.randn(8, 4) + save, mesh, [Shard(0)]),
+            "v": distribute_tensor(torch.randn(100) + save, mesh, [Replicate()]),
+        }
+        staged = buffers.stage(sharded)
+        for key, value in sharded.items():
+            got = staged[key]
+            assert isinstance(got, DTensor), (save, key, type(got))
+            assert got.placements == value.placements, (save, key)
+            assert torch.equal(got.to_local(), value.to_local()), (save, key)
+    staged = buffers.stage(plain)  # and back
+    assert not any(isinstance(v, DTensor) for v in staged.values())
+    assert all(torch.equal(staged[k], v) for k, v in plain.items())
+    print("ok")
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_dtensors_laid_out_like_the_plain_tensors_before_them_stay_dtensors(
+    tmp_path: Path,
+) -> None:
+    """DTensors whose local shards have the layout of the plain tensors the slot staged before
+    are staged as DTensors (one gloo rank). The reused layout kept saying "no DTensor": they
+    came back as plain tensors (a sharded tensor stored as a replicated one), and the next save
+    raised in the copy."""
+    script = tmp_path / "plain_then_dtensor.py"
+    script.write_text(PLAIN_THEN_DTENSOR)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_conjugated_and_negated_sources_are_staged_with_their_values() -> None:
+    """A non-blocking device-to-host copy of a lazily conjugated (or negated) tensor applies
+    the conjugation to the host buffer before the bytes arrive (pytorch/pytorch#146286); such
+    sources are copied blocking."""
+    z = torch.randn(1000, dtype=torch.complex64, device="cuda")
+    state = {"conj": z.conj(), "neg": z.conj().imag, "plain": torch.randn(1000, device="cuda")}
+    expected = {key: value.resolve_conj().resolve_neg().cpu() for key, value in state.items()}
+    buffers = StagingBuffers()
+    for _ in range(2):  # the first layout, then the reused one
+        _assert_exact(buffers.stage(state), expected)
+
+
+@cuda
+def test_cuda_parameters_are_staged_without_an_autograd_graph() -> None:
+    params = {"w": torch.nn.Parameter(torch.randn(64, 8, device="cuda"))}
+    buffers = StagingBuffers()
+    for _ in range(3):
+        staged = buffers.stage(params)
+        assert not staged["w"].requires_grad and staged["w"].grad_fn is None
+        assert torch.equal(staged["w"], params["w"].detach().cpu())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_sources_on_another_device_are_synchronised_before_stage_returns() -> None:
+    """A source on a GPU other than the current one is copied on a side stream of its own
+    device, which is synchronised: the values are there when stage() returns."""
+    with torch.cuda.device(0):
+        big = torch.randn(64 * 2**20 // 4, device="cuda:1")
+        for _ in range(5):
+            big.mul_(1.0001)  # queued work on cuda:1's stream
+        state = {"x": big}
+        staged = StagingBuffers().stage(state)
+        torch.cuda.synchronize(1)
+        assert torch.equal(staged["x"], big.cpu())
