@@ -80,6 +80,7 @@ class _Arena:
     def __init__(self, size: int, pin: bool, shared: bool = False) -> None:
         self.size = size
         self.pinned = False
+        self._unpin: weakref.finalize | None = None  # undoes the pinning, once
         self._map: mmap.mmap | None = None
         self._storage: torch.UntypedStorage | None = None
         if shared:
@@ -90,7 +91,14 @@ class _Arena:
             self._map = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             owner = self._map
         if pin and size:  # (frombuffer refuses a zero-length region)
-            self.pinned = _register_pinned(owner, self.region(0, size).data_ptr(), size)
+            self._unpin = _register_pinned(owner, self.region(0, size).data_ptr(), size)
+            self.pinned = self._unpin is not None
+
+    def unpin(self) -> None:
+        """Undo the pinning now, while the memory is surely mapped (for a private arena,
+        Python unmaps an mmap before it runs the finalizers that would do it otherwise)."""
+        if self._unpin is not None:
+            self._unpin()  # a weakref.finalize runs at most once
 
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over ``nbytes`` bytes at ``offset``: with a storage of its own in a
@@ -128,21 +136,21 @@ def check_shared_memory(size: int, directory: str = SHARED_MEMORY_DIR) -> None:
         )
 
 
-def _register_pinned(owner: object, pointer: int, size: int) -> bool:
+def _register_pinned(owner: object, pointer: int, size: int) -> weakref.finalize | None:
     """Page-lock ``size`` bytes at ``pointer`` (memory of ``owner``) with ``cudaHostRegister``
-    until ``owner`` is freed; False (unpinned) if that fails."""
+    until ``owner`` is freed or the returned finalizer is called; None (unpinned) if that
+    fails."""
     if size == 0 or not torch.cuda.is_available():
-        return False
+        return None
     try:
         cudart = torch.cuda.cudart()
         if int(cudart.cudaHostRegister(pointer, size, 0)) != 0:
             log.warning("cudaHostRegister of %d bytes failed; staging unpinned", size)
-            return False
+            return None
     except Exception as exc:  # pragma: no cover - depends on the CUDA runtime
         log.warning("could not pin %d staging bytes (%s); staging unpinned", size, exc)
-        return False
-    weakref.finalize(owner, _unregister_pinned, pointer)
-    return True
+        return None
+    return weakref.finalize(owner, _unregister_pinned, pointer)
 
 
 def _unregister_pinned(pointer: int) -> None:  # pragma: no cover - CUDA only
@@ -204,7 +212,10 @@ class StagingBuffers:
         return dict(self._staged)
 
     def free(self) -> None:
-        """Drop the arena and the cached layout (the memory goes once no staged view is left)."""
+        """Drop the arena and the cached layout (the memory goes once no staged view is left;
+        its pinning at once: a slot is freed only when no copy into it is in flight)."""
+        if self._arena is not None:
+            self._arena.unpin()
         self._arena = None
         self._layout = None
         self._staged = {}

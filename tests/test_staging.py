@@ -463,3 +463,17 @@ def test_cuda_sources_on_another_device_are_synchronised_before_stage_returns() 
         staged = StagingBuffers().stage(state)
         torch.cuda.synchronize(1)
         assert torch.equal(staged["x"], big.cpu())
+
+
+@cuda
+def test_cuda_a_freed_arena_is_unpinned_at_once() -> None:
+    """free() unpins the arena itself, while it is surely mapped: left to the mmap's
+    finalizer, cudaHostUnregister ran after Python had unmapped the memory."""
+    buffers = StagingBuffers()
+    staged = buffers.stage({"x": torch.randn(2**20, device="cuda")})
+    pointer = staged["x"].data_ptr()  # the arena's first region; `staged` keeps it mapped
+    assert staged["x"].is_pinned()
+    buffers.free()
+    # Registered no longer: unregistering again fails (cudaErrorHostMemoryNotRegistered).
+    assert int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0
+    assert not staged["x"].is_pinned()
