@@ -18,3 +18,19 @@ def lower_calling_thread_priority(by: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + by)
     except (AttributeError, OSError):  # pragma: no cover - not Linux, or not allowed
         pass
+
+
+def lower_process_priority(by: int) -> None:
+    """Raise the nice value of every thread of this process by ``by`` (on Linux, where each
+    thread has its own, from ``/proc/self/task``; elsewhere the calling thread's). Threads
+    started afterwards by one of them inherit it."""
+    try:
+        tids = [int(task) for task in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux
+        lower_calling_thread_priority(by)
+        return
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + by)
+        except OSError:  # the thread ended meanwhile, or not allowed
+            pass

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import multiprocessing.util
 import signal
 import socket
 import threading
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from ckptmgr.errors import CheckpointError
-from ckptmgr.niceness import lower_calling_thread_priority
+from ckptmgr.niceness import lower_process_priority
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,12 @@ CHECKSUMS_ATTRIBUTE = "ckptmgr_checksums"
 """Attribute of the returned DCP metadata: file name -> (size, CRC-32) of what the daemon wrote."""
 
 _EXIT_WAIT_S = 5.0  # a daemon whose pipe broke is given this long to be gone
+_EXIT_PRIORITY = 100
+"""Of the exit hook that stops a manager's daemon: multiprocessing runs hooks of priority >= 0
+first at interpreter exit, before it sends SIGTERM to its daemonic children and waits for them
+(the daemon ignores SIGTERM, and waits on a pipe this process still holds: without the hook,
+a process that ends without close() would wait forever). Exit itself first waits for the queued
+saves (the background worker is not a daemon thread), so no save is cut short."""
 DAEMON_NICENESS = 10
 """How much lower than the training process's the daemon's scheduling priority is (Linux): when
 the cores are busy, the training loop runs first and the checkpoint's write waits. With a core
@@ -69,7 +76,7 @@ if _AsyncCheckpointProcess is not None:
 
         @staticmethod
         def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
-            lower_calling_thread_priority(DAEMON_NICENESS)  # first: every thread inherits it
+            lower_process_priority(DAEMON_NICENESS)  # first: threads started later inherit it
             for signum in DAEMON_IGNORED_SIGNALS:  # process-wide, whichever thread gets one
                 signal.signal(signum, signal.SIG_IGN)
             import datetime
@@ -112,6 +119,7 @@ class SaveProcess:
         self._group = group
         self._timeout_s = timeout_s
         self._daemon: Any = None
+        self._exit_hook: multiprocessing.util.Finalize | None = None  # stops the daemon
         self._failed = False  # the last save failed: the daemon (and its group) is replaced
         self._lock = threading.Lock()
 
@@ -127,12 +135,18 @@ class SaveProcess:
         daemon = self._daemon
         return daemon is not None and daemon._save_process.is_alive() and not self._failed
 
-    def save(self, tensors: dict[str, torch.Tensor], writer: Any) -> dcp_metadata.Metadata:
+    def save(
+        self, tensors: dict[str, torch.Tensor], writer: Any, *, replace_unhealthy: bool = True
+    ) -> dcp_metadata.Metadata:
         """Save ``tensors`` with ``writer`` in the daemon (started first if there is none) and
         return DCP's metadata (with ``CHECKSUMS_ATTRIBUTE``). Raises what the daemon raised, or
-        ``CheckpointError`` when it died. After any failure the next save uses a new daemon."""
+        ``CheckpointError`` when it died. After any failure the next save uses a new daemon.
+
+        ``replace_unhealthy=False`` (distributed: starting a daemon is a collective, decided by
+        the ranks together before this call) starts a daemon only where there is none; a daemon
+        found dead here fails this save, and the ranks replace theirs before the next."""
         with self._lock:
-            if self._daemon is None or not self.healthy:
+            if self._daemon is None or (replace_unhealthy and not self.healthy):
                 self._replace()
             daemon = self._daemon
             try:
@@ -163,13 +177,12 @@ class SaveProcess:
 
     def _stop(self) -> None:
         daemon, self._daemon = self._daemon, None
+        hook, self._exit_hook = self._exit_hook, None
         self._failed = False
+        if hook is not None:
+            hook.cancel()
         if daemon is not None:
-            daemon.__del__()  # DCP's shutdown: TERMINATE, join(5), then SIGTERM (ignored)
-            process = daemon._save_process
-            if process.is_alive():  # it did not stop when asked: SIGKILL
-                process.kill()
-                process.join(_EXIT_WAIT_S)
+            _stop_daemon(daemon)
 
     def _replace(self) -> None:
         daemon = self._daemon
@@ -187,6 +200,10 @@ class SaveProcess:
         info.ckptmgr_timeout_s = self._timeout_s
         log.info("starting the checkpoint daemon process (async_mode='process')")
         self._daemon = _CheckpointProcess(pg_init_info=info)
+        # Stopped at interpreter exit, or when this object is collected (a dropped manager).
+        self._exit_hook = multiprocessing.util.Finalize(
+            self, _stop_daemon, args=(self._daemon,), exitpriority=_EXIT_PRIORITY
+        )
 
     def _init_info(self) -> Any:
         """Where the daemons' gloo group meets: the ranks' own group's rank and size, and a
@@ -203,6 +220,19 @@ class SaveProcess:
         info.disable_automatic_gc = False
         info.disable_manual_gc = False
         return info
+
+
+def _stop_daemon(daemon: Any) -> None:
+    """DCP's shutdown of ``daemon`` (TERMINATE, a wait of 5 s, then SIGTERM, which it ignores),
+    then SIGKILL if it is still there: also when the shutdown raised (its pipe already broken)."""
+    process = daemon._save_process
+    try:
+        daemon.__del__()
+    except Exception as exc:  # a daemon that is dying: killed below if it is still there
+        log.debug("the checkpoint daemon (pid %s) did not take TERMINATE: %r", process.pid, exc)
+    if process.is_alive():
+        process.kill()
+        process.join(_EXIT_WAIT_S)
 
 
 def _free_port() -> int:
