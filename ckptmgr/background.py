@@ -77,10 +77,12 @@ class _Worker:
         self.jobs.put(job)
         self.ensure_running()
 
-    def ensure_running(self) -> None:
-        """Start a thread unless one is alive (and cancel a :meth:`stop`)."""
+    def ensure_running(self, *, cancel_stop: bool = True) -> None:
+        """Start a thread unless one is alive (and with ``cancel_stop`` cancel a :meth:`stop`:
+        a thread started without it runs the queued jobs, then ends)."""
         with self._lock:
-            self._stopping = False  # a job queued after stop() is run too
+            if cancel_stop:
+                self._stopping = False  # a job queued after stop() is run too
             if self._thread is not None and self._thread.is_alive():
                 return
             self._thread = threading.Thread(target=self._serve, name="ckptmgr-writer")
@@ -200,7 +202,7 @@ class BackgroundWriter:
     def wait(self) -> None:
         """Wait for every submitted job."""
         if not self._worker.jobs.empty():  # an interrupted submit() may have queued a job only
-            self._worker.ensure_running()
+            self._worker.ensure_running(cancel_stop=False)  # (or stop() its wake-up)
         with self._lock:
             pending = list(self._pending)
         concurrent.futures.wait(pending)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -267,3 +268,17 @@ def test_an_exception_raised_into_save_async_strands_no_save_and_no_thread(
     assert lines[0] == "interrupted", result.stdout
     assert lines[1:] == (["closed"] if mode == "before" else []), result.stdout
     assert committed_steps(tmp_path / "ckpts") == [1]
+
+
+def test_join_after_close_leaves_no_thread_running(tmp_path: Path) -> None:
+    """close() of a manager that never saved leaves stop()'s wake-up in the queue; a join()
+    after it used to take that for a job, cancel the stop and start a thread that polled until
+    the process ended."""
+    manager = CheckpointManager(tmp_path / "ckpts", 1, chkpt_on_preemption=False)
+    manager.close()
+    manager.join()
+    worker = manager._writer._worker
+    deadline = time.monotonic() + 10
+    while (thread := worker._thread) is not None and thread.is_alive():
+        assert time.monotonic() < deadline, "a writer thread runs on after close() and join()"
+        thread.join(timeout=0.1)
