@@ -662,7 +662,9 @@ class CheckpointManager:
             )
             if in_daemon:
                 assert self._save_process is not None
-                dcp_metadata = self._save_process.save(tensors, writer)
+                dcp_metadata = self._save_process.save(  # (replaced above, when distributed)
+                    tensors, writer, replace_unhealthy=not comm.distributed
+                )
             else:
                 dcp_metadata = dcp_io.save_tensors(
                     tensors, writer, group if comm.distributed else None

@@ -84,6 +84,11 @@ def split_for_load(
                 f"has {list(dest.shape)}"
             )
         numel = dest.numel()
+        if offset % dtype.itemsize:  # (ckptmgr aligns every packed tensor to its item size)
+            raise CorruptCheckpointError(
+                f"the record places the packed tensor {key!r} at offset {offset}, not aligned "
+                f"to its {entry.dtype} items"
+            )
         if offset != run.end or dtype is not run.dtype:
             run = _Run(offset, dtype)
             runs.append(run)
@@ -159,6 +164,12 @@ def _check_layout(
         ends_at_size = True
     if not ends_at_size or min(run.start for run in runs) < 0:
         raise CorruptCheckpointError("the record places packed tensors outside the pack")
+    data_files = [entry.size for entry in record.files if entry.path.endswith(".distcp")]
+    if data_files and size > max(data_files):  # checked before a buffer that big is allocated
+        raise CorruptCheckpointError(
+            f"the record describes a pack of {size} bytes, more than any data file of the step "
+            f"holds ({max(data_files)} bytes)"
+        )
     for run in runs:
         if run.end > size:
             raise CorruptCheckpointError(

@@ -187,7 +187,13 @@ def is_packable(tensor: torch.Tensor) -> bool:
 
 
 def _view(buffer: torch.Tensor, entry: PackedTensor) -> torch.Tensor:
-    """The packed tensor ``entry`` in ``buffer`` (a copy when its offset is not aligned)."""
+    """The packed tensor ``entry`` in ``buffer`` (a copy when its offset is not aligned).
+    Raises ``CorruptCheckpointError`` when it does not lie inside ``buffer``."""
+    if entry.offset < 0 or entry.offset + entry.nbytes > buffer.numel():
+        raise CorruptCheckpointError(
+            f"the record places a packed tensor at bytes {entry.offset}-"
+            f"{entry.offset + entry.nbytes} of a pack of {buffer.numel()} bytes"
+        )
     piece = buffer[entry.offset : entry.offset + entry.nbytes]
     if entry.offset % entry.dtype.itemsize:
         piece = piece.clone()

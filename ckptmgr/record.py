@@ -11,6 +11,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PrivateAttr,
     SerializerFunctionWrapHandler,
     TypeAdapter,
@@ -78,7 +79,7 @@ class TensorEntry:
     """
 
     dtype: str
-    shape: list[int]
+    shape: list[NonNegativeInt]
 
     @classmethod
     def trusted(cls, dtype: str, shape: list[int]) -> TensorEntry:
@@ -157,6 +158,9 @@ class CommitRecord(BaseModel):
         if not self.packed.keys() <= self.tensors.keys():
             missing = next(iter(self.packed.keys() - self.tensors.keys()))
             raise ValueError(f"packed tensor {missing!r} has no entry in tensors")
+        if self.packed and min(self.packed.values()) < 0:
+            name = min(self.packed, key=self.packed.__getitem__)
+            raise ValueError(f"packed tensor {name!r} has a negative offset in the pack")
         return self
 
     def use_section(self, section: TensorSection) -> None:
@@ -209,7 +213,7 @@ def _format_version_of(data: bytes | str) -> int | None:
     """The ``format_version`` of a JSON record that does not validate, if it has one."""
     try:
         version = json.loads(data).get("format_version")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # (nested deeper than json parses)
         return None
     return version if isinstance(version, int) else None
 

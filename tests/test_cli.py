@@ -333,6 +333,22 @@ def test_prune_dry_run_deletes_nothing_and_prune_deletes_exactly_the_plan(
 
 
 # -- export ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("offset", [-12, 10_000])
+def test_export_refuses_a_record_placing_a_packed_tensor_outside_the_pack(
+    tmp_path: Path, offset: int
+) -> None:
+    """A negative offset read the pack's end (Python slicing): exit 0 and wrong bytes."""
+    root = tmp_path / "ckpts"
+    with CheckpointManager(root, 1, chkpt_on_preemption=False) as manager:
+        manager.save(1, {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])})
+    (record_path,) = root.rglob("commit.json")
+    record = json.loads(record_path.read_text())
+    record["packed"]["a"] = offset
+    record_path.write_text(json.dumps(record))
+    output = tmp_path / "out.pt"
+    result = run_cli("export", str(root), "1", str(output))
+    assert result.returncode != 0 and not output.exists(), result.stdout + result.stderr
+    assert "damaged" in result.stderr or "outside" in result.stderr or "pack" in result.stderr
 
 
 def test_export_writes_a_torch_save_file_with_bit_exact_tensors(

@@ -104,7 +104,7 @@ def _edit_record(root: Path, edit: callable) -> None:  # type: ignore[valid-type
 
 @pytest.mark.parametrize(
     "damage",
-    ["undescribed", "outside", "negative", "unknown_dtype"],
+    ["undescribed", "outside", "negative", "misaligned", "unknown_dtype"],
 )
 def test_a_record_that_describes_the_pack_wrongly_is_corruption(
     tmp_path: Path, damage: str
@@ -120,6 +120,8 @@ def test_a_record_that_describes_the_pack_wrongly_is_corruption(
             packed["t5"] = 10_000
         elif damage == "negative":
             packed["t5"] = -32
+        elif damage == "misaligned":
+            packed["t5"] += 2
         else:
             record["tensors"]["t5"]["dtype"] = "no_such_dtype"
 
@@ -130,6 +132,53 @@ def test_a_record_that_describes_the_pack_wrongly_is_corruption(
         with pytest.raises(CorruptCheckpointError):
             manager.restore(1, target)
     assert all(torch.count_nonzero(value) == 0 for value in target.values())
+
+
+def test_a_packed_byte_tensor_at_offset_minus_one_is_corruption_not_skipped(
+    tmp_path: Path,
+) -> None:
+    """Offset -1 was where the first run of the copy-out plan began as a placeholder: a uint8
+    tensor placed there joined it and was never copied, and restore returned normally."""
+    saved = {"a": torch.arange(4, dtype=torch.uint8), "b": torch.arange(4, dtype=torch.uint8)}
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+        _edit_record(tmp_path, lambda record: record["packed"].update(a=-1))
+        target = {"a": torch.zeros(4, dtype=torch.uint8), "b": torch.zeros(4, dtype=torch.uint8)}
+        with pytest.raises(CorruptCheckpointError):
+            manager.restore(1, target)
+
+
+@pytest.mark.parametrize("shape", [[2**33], [10**20], [9]])
+def test_a_record_describing_a_pack_bigger_than_its_data_is_corruption_before_allocating(
+    tmp_path: Path, shape: list[int]
+) -> None:
+    """A partial restore sizes the pack from the record's shapes of the tensors it does not
+    restore: a shape edited up is refused before a buffer of that size is allocated (it tried
+    to allocate 34 GB, or raised TypeError, or a plain CheckpointError after reading)."""
+    saved = {"a": torch.rand(8), "b": torch.rand(8)}
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+        _edit_record(tmp_path, lambda record: record["tensors"]["b"].update(shape=shape))
+        with pytest.raises(CorruptCheckpointError, match="more than any data file"):
+            manager.restore(1, {"a": torch.zeros(8)})
+
+
+def test_a_record_nested_too_deep_for_json_is_damaged_and_an_older_step_is_restored(
+    tmp_path: Path,
+) -> None:
+    """A record nested deeper than Python's json parses raised RecursionError, which neither
+    quarantined the step nor let restore_latest fall back to the step before."""
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, {"w": torch.ones(4)})
+        assert manager.save(2, {"w": torch.full((4,), 2.0)})
+        (record_path,) = (p for p in tmp_path.rglob("commit.json") if "000002" in str(p))
+        depth = 200_000
+        record_path.write_text('{"metadata": ' + "[" * depth + "]" * depth + "}")
+        with pytest.raises(CorruptCheckpointError):
+            manager.restore(2, {"w": torch.zeros(4)})
+        target = {"w": torch.zeros(4)}
+        assert manager.restore_latest(target) == 1
+        assert torch.equal(target["w"], torch.ones(4))
 
 
 def test_a_shape_mismatch_late_in_the_state_leaves_every_destination_untouched(
