@@ -13,11 +13,7 @@ import threading
 def lower_calling_thread_priority(by: int) -> None:
     """Raise the calling thread's nice value by ``by`` (capped at 19 by the kernel); threads it
     starts afterwards inherit it. Nothing where that is not supported or not allowed."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + by)
-    except (AttributeError, OSError):  # pragma: no cover - not Linux, or not allowed
-        pass
+    _lower(threading.get_native_id(), by)
 
 
 def lower_process_priority(by: int) -> None:
@@ -27,10 +23,13 @@ def lower_process_priority(by: int) -> None:
     try:
         tids = [int(task) for task in os.listdir("/proc/self/task")]
     except OSError:  # not Linux
-        lower_calling_thread_priority(by)
-        return
+        tids = [threading.get_native_id()]
     for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + by)
-        except OSError:  # the thread ended meanwhile, or not allowed
-            pass
+        _lower(tid, by)
+
+
+def _lower(tid: int, by: int) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + by)
+    except (AttributeError, OSError):  # not supported, not allowed, or the thread has ended
+        pass
