@@ -481,6 +481,24 @@ def test_a_daemon_found_dead_is_not_replaced_where_the_ranks_decide_together(
         process.close()
 
 
+def test_a_daemon_whose_pipe_broke_is_killed_when_stopped(tmp_path: Path) -> None:
+    """DCP's shutdown raises when the pipe to the daemon is broken; the daemon (which ignores
+    the SIGTERM that follows) used to live on, and close() raised."""
+    from ckptmgr import dcp_io
+
+    process = SaveProcess(None, timeout_s=60)
+    writer = dcp_io.make_writer(
+        str(tmp_path / "step"), local=True, thread_count=1, storage_options={}
+    )
+    process.save({"w": torch.ones(4)}, writer)
+    daemon = process._daemon._save_process
+    process._daemon._process_pipe.close()  # our end of the pipe: sending TERMINATE fails
+    process.close()
+    daemon.join(timeout=DEATH_TIMEOUT_S)
+    assert not daemon.is_alive(), f"daemon {daemon.pid} outlived close()"
+    assert process.pid is None
+
+
 def _thread_waits_in(function: str, thread_prefix: str) -> bool:
     """True when a thread named ``thread_prefix...`` has ``function`` on its stack now."""
     frames = sys._current_frames()
