@@ -9,6 +9,8 @@ state costs one allocation.
 * **Reuse.** The arena is allocated on the first save and reused by later saves; steady-state
   staging is one bulk copy (``torch._foreach_copy_``) into memory whose pages are already touched,
   with no allocation, no page faults and no per-tensor Python work beyond collecting the sources.
+  Small tensors packed back to back are copied with one ``torch.cat`` per run of one dtype and
+  trailing shape instead (about twice as fast per tensor).
   The layout (the views into the arena) is cached and rebuilt only when the state's structure
   (keys, shapes, dtypes, devices, storage sharing) changes.
 * **Shape changes.** A new layout reuses the arena when it fits and uses at least half of it;
@@ -198,7 +200,10 @@ class StagingBuffers:
         self._empty: dict[str, torch.Tensor] = {}  # zero-element tensors (no arena bytes)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # side streams, per device
         self._pack_view = torch.empty(0, dtype=torch.uint8)  # the pack region of the arena
-        self._copy_dst: list[torch.Tensor] = []  # per unit: where its bytes are copied to
+        self._copy_dst: list[torch.Tensor] = []  # per unit not in a run: where it is copied to
+        self._copy_keys: list[str] = []  # per unit not in a run: the key it is copied from
+        self._share_positions: list[int] = []  # per share group: its unit's index in the above
+        self._cat_runs: list[tuple[list[str], torch.Tensor]] = []  # (keys, pack region) per run
         self._out: dict[str, torch.Tensor] = {}  # what stage() returns (before DTensor rewrap)
 
     @property
@@ -222,6 +227,9 @@ class StagingBuffers:
         self._unit_dst = []
         self._empty = {}
         self._copy_dst = []
+        self._copy_keys = []
+        self._share_positions = []
+        self._cat_runs = []
         self._out = {}
         self._pack_view = torch.empty(0, dtype=torch.uint8)  # a view keeps the arena mapped
 
@@ -393,9 +401,23 @@ class StagingBuffers:
         )
         self._unit_dst = unit_dst
         self._staged = staged
-        self._copy_dst = [
+        copy_dst = [
             unit_dst[unit] if shared[unit] else staged[key] for unit, key in enumerate(unit_keys)
         ]
+        runs = _cat_runs(list(packed.values())) if self._layout.on_cpu else []
+        in_runs = {unit for first, end in runs for unit in range(first, end)}
+        rest = [unit for unit in range(len(units)) if unit not in in_runs]
+        position = {unit: index for index, unit in enumerate(rest)}
+        self._copy_dst = [copy_dst[unit] for unit in rest]
+        self._copy_keys = [unit_keys[unit] for unit in rest]
+        self._share_positions = [position[unit] for unit, _ in self._layout.share_groups]
+        self._cat_runs = []
+        for first, end in runs:  # packed units are the first units, in pack order
+            head, tail = units[first], units[end - 1]
+            entry = packed[unit_keys[first]]
+            region = arena.region(head[0], tail[0] + tail[1] - head[0])
+            out = region.view(entry.dtype).view(-1, *entry.shape[1:])
+            self._cat_runs.append((unit_keys[first:end], out))
         self._pack_view = (
             arena.region(0, pack_bytes) if pack_bytes else torch.empty(0, dtype=torch.uint8)
         )
@@ -421,17 +443,22 @@ class StagingBuffers:
 
     # -- copying ---------------------------------------------------------------------------------
     def _copy(self, layout: _Layout, sources: Mapping[str, torch.Tensor]) -> None:
-        srcs = [sources[key] for key in layout.unit_keys]
-        for unit, members in layout.share_groups:  # a shared storage's covered bytes, once
+        srcs = [sources[key] for key in self._copy_keys]
+        for position, (unit, members) in zip(
+            self._share_positions, layout.share_groups, strict=True
+        ):
+            # a shared storage's covered bytes, once
             _, size, start = layout.units[unit]
             # Distinct storages can start at one address (tensors from NumPy views of one
             # array): copy through the largest, which holds every view's bytes.
             source = max((sources[key] for key, _, _ in members), key=_storage_bytes)
             src = torch.empty(0, dtype=torch.uint8, device=source.device)
             src.set_(source.untyped_storage(), start, (size,), (1,))
-            srcs[unit] = src
+            srcs[position] = src
         dsts = self._copy_dst
         with torch.no_grad():  # sources may be parameters: no autograd graph on the copies
+            for keys, out in self._cat_runs:  # packed runs: CPU sources, back to back in ``out``
+                torch.cat([sources[key] for key in keys], out=out)
             if not layout.on_cpu:
                 host = [i for i, src in enumerate(srcs) if src.device.type == "cpu"]
                 others = [i for i, src in enumerate(srcs) if src.device.type != "cpu"]
@@ -482,6 +509,28 @@ class StagingBuffers:
         if DTensor is not None and isinstance(original, DTensor):
             return DTensor(buffer, original._spec, requires_grad=False)
         return buffer
+
+
+def _cat_runs(packed: list[PackedTensor]) -> list[tuple[int, int]]:
+    """(first, end) indices into ``packed`` (in pack order) of every run of at least two tensors
+    that one ``torch.cat`` along dimension 0 copies: back to back, of one dtype, with at least
+    one dimension and the same sizes after the first."""
+    runs: list[tuple[int, int]] = []
+    first = 0
+    for index in range(1, len(packed) + 1):
+        if index < len(packed):
+            before, entry = packed[index - 1], packed[index]
+            if (
+                entry.dtype == before.dtype
+                and entry.shape[1:] == before.shape[1:]
+                and len(entry.shape) == len(before.shape) > 0
+                and entry.offset == before.offset + before.nbytes
+            ):
+                continue
+        if index - first >= 2 and packed[first].shape:
+            runs.append((first, index))
+        first = index
+    return runs
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:

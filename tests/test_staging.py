@@ -249,6 +249,58 @@ def test_packed_staging_puts_small_plain_tensors_back_to_back() -> None:
     _assert_exact(unpacked, state)
 
 
+def _runs_state(seed: int) -> dict[str, torch.Tensor]:
+    """Small tensors whose pack order makes runs of every kind: 1-D of different lengths,
+    2-D with equal and with different trailing sizes, 0-D between them, strided, conjugated
+    and negated sources, parameters, bool."""
+    generator = torch.Generator().manual_seed(seed)
+    z = torch.randn(6, dtype=torch.complex64, generator=generator)
+    return {
+        "a": torch.randn(7, generator=generator),
+        "b": torch.randn(300, generator=generator),
+        "scalar": torch.tensor(2.5),
+        "c": torch.randn(20, generator=generator)[::2],  # strided
+        "m1": torch.randn(4, 3, generator=generator),
+        "m2": torch.randn(2, 3, generator=generator).t().contiguous().t(),  # strided 2-D
+        "m3": torch.randn(3, 4, generator=generator),
+        "p": torch.nn.Parameter(torch.randn(5, generator=generator)),
+        "neg": torch.randn(9, dtype=torch.complex64, generator=generator).conj().imag,
+        "z": z,
+        "zc": z.clone().conj(),
+        "zd": torch.randn(2, dtype=torch.complex64, generator=generator),
+        "mask": torch.rand(11, generator=generator) > 0.5,
+        "mask2": torch.rand(5, generator=generator) > 0.5,
+        "h": torch.randn(6, generator=generator).to(torch.float16),
+    }
+
+
+def test_packed_runs_copied_in_one_call_each_stay_bit_exact() -> None:
+    """Packed tensors back to back of one dtype and trailing shape are copied with one
+    ``torch.cat`` per run: every kind of source comes out bit-exact, on the first save and
+    when the layout is reused with new values and new strides."""
+    buffers = StagingBuffers()
+    state = _runs_state(0)
+    assert state["neg"].is_neg() and state["zc"].is_conj()
+    staged = buffers.stage(state, pack=any_name)
+    placed = buffers.packed
+    assert placed.keys() == state.keys()
+    runs = {tuple(keys) for keys, _ in buffers._cat_runs}  # internal: the runs it found
+    assert len(runs) >= 3 and max(len(keys) for keys in runs) >= 3
+    _assert_exact(_resolved(_unpacked(staged, placed)), _resolved(state))
+    fresh = _runs_state(1)
+    fresh["c"] = fresh["c"].clone()  # contiguous now: the same layout still fits
+    fresh["m2"] = fresh["m2"].contiguous()
+    again = buffers.stage(fresh, pack=any_name)
+    assert buffers.packed is placed
+    _assert_exact(_resolved(_unpacked(again, placed)), _resolved(fresh))
+    with torch.no_grad():
+        for value in state.values():
+            value.copy_(torch.zeros_like(value))  # (conj/neg views write through to their base)
+    _assert_exact(
+        _resolved(_unpacked(buffers.stage(state, pack=any_name), placed)), _resolved(state)
+    )
+
+
 def test_budget_waits_for_in_flight_slot_and_frees_idle_ones() -> None:
     nbytes = 4 * 2**20
     pool = StagingPool(2, budget_bytes=nbytes + 2**16)
