@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import gc
 import os
+import select
+import signal
 import subprocess
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -299,6 +302,70 @@ def test_packed_runs_copied_in_one_call_each_stay_bit_exact() -> None:
     _assert_exact(
         _resolved(_unpacked(buffers.stage(state, pack=any_name), placed)), _resolved(state)
     )
+
+
+def _in_forked_child(work: Callable[[], bytes], timeout_s: float = 60.0) -> bytes:
+    """What ``work`` returns when run in a forked child (or what went wrong there)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        answer = b"child raised"
+        try:
+            torch.set_num_threads(1)  # (no intra-op thread pool in a forked child)
+            answer = work()
+        except BaseException as exc:
+            answer = f"child raised {exc!r}".encode()
+        finally:
+            os.write(write_end, answer)
+            os._exit(0)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], timeout_s)
+        answer = os.read(read_end, 4096) if ready else b"timed out"
+    finally:
+        os.close(read_end)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    assert answer, f"the child died without answering (wait status {status})"
+    return answer
+
+
+def _mapped_here(address: int) -> bool:
+    """True when ``address`` lies in a mapping of this process (from /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(part, 16) for part in line.split()[0].split("-"))
+            if low <= address < high:
+                return True
+    return False
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not Path("/proc/self/maps").exists(), reason="Linux")
+def test_a_forked_child_does_not_inherit_the_arena_and_stages_into_its_own() -> None:
+    """A DataLoader forks its workers, each epoch by default: an arena they inherited would be
+    shared copy-on-write, so the next save would copy every page of it (and keep the old
+    ones while a worker lives). A child gets no arena; staging there makes a new one."""
+    buffers = StagingBuffers()
+    state = _state()
+    address = buffers.stage(state)["w"].data_ptr()
+    assert _mapped_here(address)
+
+    def arena_in_child() -> bytes:
+        return b"mapped" if _mapped_here(address) else b"not mapped"
+
+    assert _in_forked_child(arena_in_child) == b"not mapped"
+    arena = buffers._arena  # internal: the parent's arena object
+
+    def stage_in_child() -> bytes:
+        fresh = _state(seed=1)
+        staged = buffers.stage(fresh)
+        _assert_exact(staged, fresh)
+        return b"ok, new arena" if buffers._arena is not arena else b"old arena"
+
+    assert _in_forked_child(stage_in_child) == b"ok, new arena"
+    _assert_exact(buffers.stage(state), state)  # the parent's arena is as it was
+    assert buffers.stage(state)["w"].data_ptr() == address
 
 
 def test_budget_waits_for_in_flight_slot_and_frees_idle_ones() -> None:
