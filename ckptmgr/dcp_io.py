@@ -409,7 +409,9 @@ class _RawTensorWriter:
         results = []
         with self.fs.open_data_file(self.fs.concat_path(self.path, name)) as sink:
             for item in items:
-                offset, length = tensor_bytes.write_tensor(sink, planner.resolve_data(item))
+                data = planner.resolve_data(item)
+                tensor_bytes.check_storable(item.index.fqn, data)
+                offset, length = tensor_bytes.write_tensor(sink, data)
                 results.append(
                     WriteResult(
                         index=item.index,

@@ -175,13 +175,14 @@ def _runs(
 
 
 def is_packable(tensor: torch.Tensor) -> bool:
-    """True for a plain (not DTensor), strided, non-empty CPU tensor of at most
+    """True for a plain (not DTensor), strided, non-empty, not quantized CPU tensor of at most
     :data:`PACK_MAX_TENSOR_BYTES` bytes."""
     if DTensor is not None and isinstance(tensor, DTensor):
         return False
     return (
         tensor.device.type == "cpu"
         and tensor.layout == torch.strided
+        and not tensor.is_quantized
         and 0 < tensor.numel() * tensor.element_size() <= PACK_MAX_TENSOR_BYTES
     )
 

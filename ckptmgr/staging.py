@@ -50,7 +50,7 @@ from ckptmgr.packing import (
     fingerprint,
     pack_layout,
 )
-from ckptmgr.tensor_bytes import byte_extent
+from ckptmgr.tensor_bytes import byte_extent, check_storable
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +306,12 @@ class StagingBuffers:
                 layout.plain = _is_plain(quick)
             layout = self._layout
         assert layout is not None
-        self._copy(layout, sources)
+        try:
+            self._copy(layout, sources)
+        except Exception:
+            for key, source in sources.items():  # (a tensor turned sparse keeps the quick
+                check_storable(key, source)  # signature: say so rather than torch's error)
+            raise
         if layout.plain:
             return dict(self._out)
         return {
@@ -610,6 +615,7 @@ def _signature(sources: dict[str, torch.Tensor]) -> Hashable:
     storages: dict[Hashable, int] = {}
     parts = []
     for key, source in sources.items():
+        check_storable(key, source)  # (a sparse tensor has no storage to identify)
         group = storages.setdefault(_storage_id(key, source), len(storages))
         parts.append(
             (key, source.dtype, source.shape, source.stride(), source.storage_offset(), group)

@@ -26,13 +26,32 @@ from typing import Any, Protocol
 
 import torch
 
-from ckptmgr.errors import CorruptCheckpointError
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.niceness import lower_calling_thread_priority
 
 PARALLEL_HASHING = True
 """Hash on a helper thread (at a lower priority) beside the I/O, or else on the writing thread."""
 _HANDOFF_BYTES = 1 << 20
 """Small pieces are batched until this many bytes before the hashing thread gets them."""
+
+
+def check_storable(name: str, tensor: torch.Tensor) -> None:
+    """Raise ``CheckpointError`` when ``tensor`` (stored as ``name``) is of a kind whose bytes
+    do not hold its value: sparse (no dense bytes), quantized (the bytes are its integers; the
+    scale and zero point would be lost) or meta (no data)."""
+    if tensor.layout != torch.strided:
+        layout = str(tensor.layout).removeprefix("torch.")
+        reason = f"a {layout} tensor has no dense bytes (store tensor.to_dense() instead)"
+    elif tensor.is_quantized:
+        reason = (
+            "a quantized tensor's scale and zero point would be lost (store "
+            "tensor.dequantize(), or tensor.int_repr() with its q_scale() and q_zero_point())"
+        )
+    elif tensor.is_meta:
+        reason = "a tensor on the meta device holds no data"
+    else:
+        return
+    raise CheckpointError(f"cannot checkpoint {name!r}: {reason}")
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

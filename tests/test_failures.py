@@ -14,6 +14,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -860,3 +861,54 @@ def test_a_data_file_whose_fsync_fails_leaves_no_hashing_thread(
             thread.join(BOUND_S)
         assert [t for t in hashing if t.is_alive()] == []
         assert mgr.all_steps() == []
+
+
+def _unstorable(kind: str) -> torch.Tensor:
+    """A tensor whose bytes do not hold its value, of one kind."""
+    if kind == "quantized":
+        with warnings.catch_warnings():  # (quantized tensors are deprecated in torch 2.13)
+            warnings.simplefilter("ignore")
+            return torch.quantize_per_tensor(torch.randn(8), 0.5, 3, torch.qint8)
+    if kind == "sparse_coo":
+        return torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.tensor([1.0, 2.0]), (8,))
+    if kind == "sparse_csr":
+        return torch.eye(8).to_sparse_csr()
+    assert kind == "meta"
+    return torch.empty(8, device="meta")
+
+
+@pytest.mark.parametrize("kind", ["quantized", "sparse_coo", "sparse_csr", "meta"])
+@pytest.mark.parametrize("call", ["save", "save_async"])
+def test_a_tensor_whose_bytes_are_not_its_value_is_refused_by_name(
+    tmp_path: Path, kind: str, call: str
+) -> None:
+    """A quantized tensor was stored as its integers alone and restored with the destination's
+    scale and zero point (silently wrong values); sparse and meta tensors failed with torch's
+    own errors (save_async: a bare NotImplementedError). Each now raises ``CheckpointError``
+    naming the key, nothing is committed, and the next save of a good state commits."""
+    small = {f"small/{i}": torch.full((4,), float(i)) for i in range(40)}  # (packed)
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as manager:
+        with pytest.raises(CheckpointError, match=r"cannot checkpoint 'odd': .*" + kind[:6]):
+            getattr(manager, call)(1, {"odd": _unstorable(kind), "w": torch.ones(2), **small})
+            manager.join()
+        assert manager.all_steps() == []
+        getattr(manager, call)(2, {"odd": torch.ones(8), "w": torch.ones(2), **small})
+        manager.join()
+        assert manager.all_steps() == [2]
+
+
+def test_a_tensor_turned_sparse_under_a_reused_staging_layout_is_refused_by_name(
+    tmp_path: Path,
+) -> None:
+    """A sparse tensor of a dense one's dtype and shape keeps the staging layout's quick
+    signature; its copy fails, and the error names it."""
+    small = {f"small/{i}": torch.full((4,), float(i)) for i in range(40)}
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as manager:
+        manager.save_async(1, {"odd": torch.ones(8), **small})
+        manager.join()
+        for odd in (_unstorable("sparse_coo"), torch.ones(8).to_sparse()):
+            with pytest.raises(CheckpointError, match=r"cannot checkpoint 'odd': a sparse_coo"):
+                manager.save_async(2, {"odd": odd, **small})
+        manager.save_async(3, {"odd": torch.ones(8), **small})
+        manager.join()
+        assert manager.all_steps() == [1, 3]
