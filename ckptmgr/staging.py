@@ -71,6 +71,21 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+_ARENAS: weakref.WeakSet[_Arena] = weakref.WeakSet()  # every arena alive in this process
+_INHERITED_MAPS: list[mmap.mmap] = []  # in a forked child: the parent's private arenas' maps
+
+
+def _keep_inherited_maps() -> None:
+    """In a forked child, keep every private arena's ``mmap`` object alive for good. The arena
+    is not mapped here (``MADV_DONTFORK``), but the object would ``munmap`` its address range
+    when dropped, and the child may have mapped memory of its own there since."""
+    _INHERITED_MAPS.extend(arena._map for arena in list(_ARENAS) if arena._map is not None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_keep_inherited_maps)
+
+
 def _aligned(size: int) -> int:
     return (size + ALIGN - 1) // ALIGN * ALIGN
 
@@ -84,7 +99,7 @@ class _Arena:
     the next staging copy would fault and copy every page (a 512 MiB arena: 0.79 s instead of
     0.03 s, and 512 MiB more memory while the child lives), and a pinned page copied so would
     no longer be the page the GPU writes to. In a child, :attr:`inherited` is then True and
-    the arena must not be touched.
+    the arena must not be touched (nor a shared arena, whose memory the parent still uses).
     """
 
     def __init__(self, size: int, pin: bool, shared: bool = False) -> None:
@@ -106,11 +121,13 @@ class _Arena:
         if pin and size:  # (frombuffer refuses a zero-length region)
             self._unpin = _register_pinned(owner, self.region(0, size).data_ptr(), size)
             self.pinned = self._unpin is not None
+        _ARENAS.add(self)
 
     @property
     def inherited(self) -> bool:
-        """True in a forked child of the process that made a private arena: not mapped here."""
-        return self._map is not None and os.getpid() != self._pid
+        """True in a forked child of the process that made the arena (a private one is not
+        mapped there; a shared one is the parent's)."""
+        return os.getpid() != self._pid
 
     def unpin(self) -> None:
         """Undo the pinning now, while the memory is surely mapped (for a private arena,
@@ -285,7 +302,7 @@ class StagingBuffers:
         modify the originals freely.
         """
         if self._arena is not None and self._arena.inherited:
-            self.free()  # a forked child: the parent's arena is not mapped here (MADV_DONTFORK)
+            self.free()  # a forked child: the parent's arena is not mapped or not its own
         quick = _quick_signature(tensors, pack)
         layout = self._layout
         if (
@@ -329,7 +346,8 @@ class StagingBuffers:
     ) -> None:
         by_storage: dict[Hashable, list[str]] = {}
         for key, source in sources.items():
-            if source.numel() == 0:
+            check_storable(key, source)  # once per layout (a quantized or meta tensor changes
+            if source.numel() == 0:  # its dtype or device, so the layout is made anew)
                 continue
             by_storage.setdefault(_storage_id(key, source), []).append(key)
         units: list[tuple[int, int, int]] = []
@@ -534,8 +552,14 @@ class StagingBuffers:
         return buffer
 
 
+_MIN_CAT_RUN = 4
+"""Shorter runs are copied by ``_foreach_copy_``: one ``torch.cat`` per pair of tensors (Adam's
+two moments between 0-dim steps) was measured slower, four tensors about even."""
+
+
 def _cat_runs(packed: list[PackedTensor]) -> list[tuple[int, int]]:
-    """(first, end) indices into ``packed`` (in pack order) of every run of at least two tensors
+    """(first, end) indices into ``packed`` (in pack order) of every run of ``_MIN_CAT_RUN``
+    or more tensors
     that one ``torch.cat`` along dimension 0 copies: back to back, of one dtype, with at least
     one dimension and the same sizes after the first."""
     runs: list[tuple[int, int]] = []
@@ -550,7 +574,7 @@ def _cat_runs(packed: list[PackedTensor]) -> list[tuple[int, int]]:
                 and entry.offset == before.offset + before.nbytes
             ):
                 continue
-        if index - first >= 2 and packed[first].shape:
+        if index - first >= _MIN_CAT_RUN and packed[first].shape:
             runs.append((first, index))
         first = index
     return runs
@@ -615,8 +639,11 @@ def _signature(sources: dict[str, torch.Tensor]) -> Hashable:
     storages: dict[Hashable, int] = {}
     parts = []
     for key, source in sources.items():
-        check_storable(key, source)  # (a sparse tensor has no storage to identify)
-        group = storages.setdefault(_storage_id(key, source), len(storages))
+        try:
+            group = storages.setdefault(_storage_id(key, source), len(storages))
+        except Exception:
+            check_storable(key, source)  # (a sparse tensor has no storage: say so)
+            raise
         parts.append(
             (key, source.dtype, source.shape, source.stride(), source.storage_offset(), group)
         )

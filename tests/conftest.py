@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import select
+import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,35 @@ def run_python(
         env=env,
         check=False,
     )
+
+
+def in_forked_child(work: Callable[[], bytes], timeout_s: float = 60.0) -> bytes:
+    """What ``work`` returns when run in a forked child (or what went wrong there)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        answer = b"child raised"
+        try:
+            import torch  # (imported by the caller already)
+
+            torch.set_num_threads(1)  # (no intra-op thread pool in a forked child)
+            answer = work()
+        except BaseException as exc:
+            answer = f"child raised {exc!r}".encode()
+        finally:
+            os.write(write_end, answer)
+            os._exit(0)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], timeout_s)
+        answer = os.read(read_end, 4096) if ready else b"timed out"
+    finally:
+        os.close(read_end)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    assert answer, f"the child died without answering (wait status {status})"
+    return answer
 
 
 @pytest.fixture
