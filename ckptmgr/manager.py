@@ -231,6 +231,7 @@ class CheckpointManager:
         self._last_decided_step: int | None = None
         self._answered_notice: PreemptionNotice | None = None  # its exit_code for exit_after_save
         self._closed = False
+        self._pid = os.getpid()  # a forked child must not use what belongs to this process
         log.info("checkpoints at %s: committed steps %s", config.path, sorted(self._committed))
 
     # -- deciding --------------------------------------------------------------------------------
@@ -818,12 +819,16 @@ class CheckpointManager:
         Raises ``CheckpointError`` (with the original exception as ``__cause__``) if a background
         save failed since the last report; each failure is raised once.
         """
+        self._check_process()
         self._writer.wait()
         self._writer.raise_first_error()
 
     def close(self) -> None:
         """Join, stop the background thread and put back signal handlers. Idempotent."""
         if self._closed:
+            return
+        if os.getpid() != self._pid:  # a forked child: nothing here is its to stop or release
+            self._closed = True  # (the parent's daemon, lease and signal handlers stay as they are)
             return
         # Interrupted here (Ctrl-C), saves are still running: nothing is released, and close()
         # may be called again.
@@ -868,6 +873,18 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
+        self._check_process()
+
+    def _check_process(self) -> None:
+        """Raise in a forked child: the manager's background writer, staging memory, checkpoint
+        daemon and lease belong to the process that made it."""
+        if os.getpid() != self._pid:
+            raise CheckpointError(
+                f"this CheckpointManager was made in process {self._pid}; a forked child "
+                f"(process {os.getpid()}) cannot use it: its background writer, staging memory, "
+                "checkpoint daemon and lease belong to the parent. Make a new CheckpointManager "
+                "in the child."
+            )
 
     # -- listing and restoring -------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -883,6 +900,7 @@ class CheckpointManager:
     def reached_preemption(self, step: int) -> bool:
         """True at the step whose checkpoint answered a preemption notice, once it is committed."""
         if self._preemption_claimed == step:
+            self._check_process()
             self._writer.wait()
         return self._preemption_reached == step
 

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import fsspec
 import pytest
 import torch
+from conftest import in_forked_child
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ckptmgr import CheckpointError, CheckpointManager, StepNotFoundError
@@ -912,3 +913,48 @@ def test_a_tensor_turned_sparse_under_a_reused_staging_layout_is_refused_by_name
         manager.save_async(3, {"odd": torch.ones(8), **small})
         manager.join()
         assert manager.all_steps() == [1, 3]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_forked_child_cannot_use_its_parents_manager_nor_release_its_things(
+    tmp_path: Path,
+) -> None:
+    """The manager's writer thread, staging memory, daemon and lease are the parent's: a child
+    that used them waited forever for the writer, or wrote into the parent's staged bytes, and
+    its close() released the parent's lease. Each call now raises in the child, close() there
+    leaves everything alone, and the parent goes on saving."""
+    state = {"w": torch.arange(8.0), **{f"s/{i}": torch.full((4,), float(i)) for i in range(40)}}
+    manager = CheckpointManager(tmp_path, 1, chkpt_on_preemption=False)
+    manager.save_async(1, state)
+    manager.join()
+    lease = tmp_path / "owner.json"
+    assert lease.exists()
+
+    def use_in_child() -> bytes:
+        refused = []
+        for name, call in [
+            ("save", lambda: manager.save(2, state)),
+            ("save_async", lambda: manager.save_async(2, state)),
+            ("join", manager.join),
+            ("restore", lambda: manager.restore(1, state)),
+            ("should_save", lambda: manager.should_save(2)),
+        ]:
+            try:
+                call()
+            except CheckpointError as exc:
+                if "forked child" in str(exc):
+                    refused.append(name)
+        manager.close()  # leaves the parent's things alone
+        return ",".join(refused).encode()
+
+    answer = in_forked_child(use_in_child)
+    assert answer == b"save,save_async,join,restore,should_save"
+    assert lease.exists()
+    state["w"].add_(1)
+    assert manager.save_async(2, state)
+    manager.join()
+    restored = {key: torch.zeros_like(value) for key, value in state.items()}
+    manager.restore(2, restored)
+    assert all(torch.equal(restored[key], state[key]) for key in state)
+    manager.close()
+    assert not lease.exists()
