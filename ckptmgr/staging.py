@@ -520,6 +520,9 @@ class StagingBuffers:
             else:
                 other_pairs.append((dst, src))
         used = []
+        # every destination is a region of the arena: pinned exactly when the arena is (asking
+        # each with is_pinned() costs a driver call per tensor per save)
+        pinned = self._arena is not None and self._arena.pinned
         for device, cuda_pairs in by_device.items():
             stream = self._streams.get(device)
             if stream is None:
@@ -531,7 +534,7 @@ class StagingBuffers:
                     # copy applies the conjugation or negation to the host buffer before the
                     # bytes arrive (pytorch/pytorch#146286), and they then overwrite it.
                     lazy = src.is_conj() or src.is_neg()
-                    dst.copy_(src, non_blocking=not lazy and dst.is_pinned())
+                    dst.copy_(src, non_blocking=pinned and not lazy)
             used.append(stream)
         for stream in used:
             stream.synchronize()
