@@ -57,6 +57,9 @@ LEASE_FORMAT_VERSION = 1
 DEFAULT_TIMEOUT_S = 60.0
 JOB_ID_VARIABLES = ("CKPTMGR_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 """Environment variables that name the job, first found wins; else the process is the job."""
+_NO_RUN_ID = "none"
+"""What torchrun sets ``TORCHELASTIC_RUN_ID`` to without ``--rdzv-id`` (its default): every such
+job would have the same id, so it names no job."""
 
 
 class LeaseHeldError(CheckpointError):
@@ -153,7 +156,7 @@ def default_job_id() -> str:
     """The job's identity from the environment (``JOB_ID_VARIABLES``), else this process's."""
     for name in JOB_ID_VARIABLES:
         value = os.environ.get(name)
-        if value:
+        if value and not (name == "TORCHELASTIC_RUN_ID" and value == _NO_RUN_ID):
             return f"{name}={value}"
     start = _pid_start(os.getpid()) or ""
     return f"process:{socket.gethostname()}:{_pid_namespace() or ''}:{os.getpid()}:{start}"
@@ -202,8 +205,8 @@ class _Holding:
             except Exception as exc:  # a transient storage error: the next beat tries again
                 log.warning("could not refresh the owner lease %s: %s", self.path, exc)
 
-    def refresh(self) -> None:
-        """Rewrite the heartbeat if the record is still ours; else remember and raise the loss."""
+    def confirm(self) -> None:
+        """Read the record now; remember and raise the loss unless it is still ours."""
         if self.lost is not None:
             raise self.lost
         current = _read(self.fs, self.path)
@@ -215,6 +218,10 @@ class _Holding:
                 "stop writing checkpoints there"
             )
             raise self.lost
+
+    def refresh(self) -> None:
+        """Rewrite the heartbeat if the record is still ours; else remember and raise the loss."""
+        self.confirm()
         updated = Owner(**{**asdict(self.owner), "heartbeat": time.time()})
         _overwrite(self.fs, self.path, updated.to_json())
         self.owner = updated
@@ -404,6 +411,13 @@ class OwnerLease:
         if self._holding is not None and self._holding.lost is not None:
             raise self._holding.lost
 
+    def confirm(self) -> None:
+        """Read the record now and raise :class:`LeaseLostError` unless it is still this
+        lease's: the heartbeat finds a take-over only at its next beat (up to a quarter of
+        ``timeout_s`` later), which is too late before deleting anything."""
+        if self._holding is not None:
+            self._holding.confirm()
+
     def release(self) -> None:
         """Give the lease back: delete the record if it is still ours. Idempotent."""
         holding, self._holding = self._holding, None
@@ -464,12 +478,28 @@ def _read(fs: AbstractFileSystem, path: str) -> Owner | None:
 def _create_only(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     """Write ``path`` unless it exists (``FileExistsError``)."""
     if isinstance(fs, LocalFileSystem):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # Written whole under another name, then linked in place: link() fails if ``path``
+        # exists, and a reader never sees it empty (an empty record reads as damaged, so as
+        # stale, and was once taken over while its writer went on to think it the owner).
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
         try:
-            os.write(fd, data)
-            os.fsync(fd)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:  # no hard links here (some FUSE mounts): create-only, then write
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.write(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         finally:
-            os.close(fd)
+            os.unlink(tmp)
         return
     try:
         fs.pipe_file(path, data, mode="create")

@@ -716,6 +716,8 @@ class CheckpointManager:
             self._log_preemption_answered(step)
         if comm.is_coordinator and outcome.deleted:
             try:
+                if self._lease is not None:  # taken over since the commit: the steps may be
+                    self._lease.confirm()  # the new owner's now; read the record, not the flag
                 pruning.delete_steps(self._storage, outcome.deleted)
             except CheckpointError as exc:  # step is committed: report at join/next save/close
                 log.error("%s", exc, exc_info=exc.__cause__)

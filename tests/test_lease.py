@@ -387,6 +387,59 @@ def test_job_id_comes_from_the_environment(root: Path, monkeypatch: pytest.Monke
         assert lease.job_id == "TORCHELASTIC_RUN_ID=abc123"
 
 
+def test_torchruns_default_run_id_names_no_job(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun sets TORCHELASTIC_RUN_ID to "none" unless given --rdzv-id (torch 2.13's
+    default, e.g. with --master-port): two such jobs counted as one, and the second took a
+    live job's root over as its own restart."""
+    for name in ("CKPTMGR_JOB_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    with lease_of(root) as lease:
+        assert lease.job_id.startswith("process:") and f":{os.getpid()}:" in lease.job_id
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with lease_of(root) as lease:
+        assert lease.job_id == "SLURM_JOB_ID=4242"
+
+
+def test_a_new_record_is_never_seen_empty(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record was created empty and written after: a job that read it in between took it
+    for damaged, so stale, and took it over while its writer went on as the owner. Now the
+    record appears with its content (here: while the content is made durable, the record does
+    not exist yet)."""
+    import ckptmgr.lease as lease_module
+
+    seen_while_syncing: list[bool] = []
+    real_fsync = os.fsync
+
+    def spying_fsync(fd: int) -> None:
+        seen_while_syncing.append((root / LEASE_NAME).exists())
+        real_fsync(fd)
+
+    monkeypatch.setattr(lease_module.os, "fsync", spying_fsync)
+    with lease_of(root, job_id="me") as lease:
+        assert seen_while_syncing and not seen_while_syncing[0]
+        assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
+    assert sorted(p.name for p in root.iterdir()) == []  # no temporary file left
+
+
+def test_without_hard_links_the_record_is_still_created_once(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some FUSE mounts refuse link(): the record is then created with O_EXCL and written."""
+    import ckptmgr.lease as lease_module
+
+    def no_links(source: str, target: str) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(lease_module.os, "link", no_links)
+    with lease_of(root, job_id="me") as lease:
+        assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
+        assert [p.name for p in root.iterdir()] == [LEASE_NAME]
+        with pytest.raises(FileExistsError):  # (another process would be refused on this)
+            lease_module._create_only(LocalFileSystem(), str(root / LEASE_NAME), b"{}")
+        assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
+
+
 def test_live_owner_on_another_host_is_respected_until_its_heartbeat_is_stale(
     root: Path,
 ) -> None:

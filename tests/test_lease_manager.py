@@ -220,6 +220,27 @@ def test_a_save_writing_when_its_lease_is_lost_commits_and_deletes_nothing(
         assert torch.equal(restored["w"], torch.full((4,), 5.0))
 
 
+def test_a_save_committed_after_a_take_over_deletes_none_of_the_new_owners_steps(
+    root: Path, children: list[ManagerChild]
+) -> None:
+    """The heartbeat finds a take-over only at its next beat (every lease_timeout_s / 4): a save
+    committed in between (the window the docs admit) then ran retention and deleted the new
+    owner's steps. The record is read again before anything is deleted."""
+    with manager(root, lease_timeout_s=600.0, max_to_keep=1) as victim:  # beats every 150 s
+        assert victim.save(1, {"w": torch.full((4,), 1.0)})
+        thief = ManagerChild(root, take_over=True)  # commits its step 1 over ours
+        children.append(thief)
+        assert thief.send("save 5") == "saved 5"
+        victim.save(7, {"w": torch.full((4,), 7.0)})  # committed: the heartbeat has not beaten
+        with pytest.raises(CheckpointError, match="taken over"):
+            victim.join()
+    with CheckpointManager(root, 1, read_only=True, chkpt_on_preemption=False) as reader:
+        assert reader.all_steps() == [1, 5, 7]  # retention deleted nothing
+        restored = {"w": torch.zeros(4)}
+        reader.restore(5, restored)
+        assert torch.equal(restored["w"], torch.full((4,), 5.0))
+
+
 def test_read_only_use_needs_no_lease(root: Path, children: list[ManagerChild]) -> None:
     child = ManagerChild(root)
     children.append(child)
