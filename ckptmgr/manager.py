@@ -140,7 +140,9 @@ class CheckpointManager:
     def _start(self, config: CheckpointConfig) -> None:
         self.config = config
         self._closed = True  # until fully started, so close() in error paths does nothing
-        self._storage = CheckpointStorage(config.path, config.storage_options, config.retry)
+        self._storage = CheckpointStorage(
+            config.path, config.storage_options, config.retry, create=not config.read_only
+        )
         self._comm = Collectives(config.process_group, config.collective_timeout_s)
         self._policy = _build_policy(config)
         self._records = pruning.RecordReader(self._storage)

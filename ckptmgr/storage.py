@@ -155,6 +155,8 @@ class CheckpointStorage:
         url: str,
         storage_options: dict[str, Any] | None = None,
         retry: RetryConfig | None = None,
+        *,
+        create: bool = True,
     ) -> None:
         self.url = str(url)
         self.storage_options = dict(storage_options or {})
@@ -175,10 +177,11 @@ class CheckpointStorage:
         )
         self.reachable_from_other_processes = "memory" not in protocols
         """False for an in-memory file system: another process sees nothing of it."""
-        if self.is_local:
-            self.fs.makedirs(self.root, exist_ok=True)
-        else:
-            self._call(f"create {self.root}", self.fs.makedirs, self.root, exist_ok=True)
+        if create:  # (else read-only use: a root that does not exist lists no steps)
+            if self.is_local:
+                self.fs.makedirs(self.root, exist_ok=True)
+            else:
+                self._call(f"create {self.root}", self.fs.makedirs, self.root, exist_ok=True)
 
     def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, retried on transient errors (remote stores only)."""

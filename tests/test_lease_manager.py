@@ -241,6 +241,16 @@ def test_a_save_committed_after_a_take_over_deletes_none_of_the_new_owners_steps
         assert torch.equal(restored["w"], torch.full((4,), 5.0))
 
 
+def test_a_read_only_manager_creates_no_root(tmp_path: Path) -> None:
+    """read_only writes nothing to storage: on a path that does not exist (a typo, or a job
+    that has not started writing yet) it once created the directories."""
+    missing = tmp_path / "runs" / "exp-1-typo" / "ckpt"
+    with CheckpointManager(missing, 1, read_only=True, chkpt_on_preemption=False) as reader:
+        assert reader.all_steps() == []
+        assert reader.restore_latest({"w": torch.zeros(4)}) is None
+    assert not (tmp_path / "runs").exists()
+
+
 def test_read_only_use_needs_no_lease(root: Path, children: list[ManagerChild]) -> None:
     child = ManagerChild(root)
     children.append(child)
