@@ -723,7 +723,20 @@ class CheckpointManager:
                 pruning.delete_steps(self._storage, outcome.deleted)
             except CheckpointError as exc:  # step is committed: report at join/next save/close
                 log.error("%s", exc, exc_info=exc.__cause__)
+                if not comm.distributed:  # (the other ranks cannot know: every rank lists
+                    self._relist_after_failed_deletion(outcome.deleted)  # the same steps)
                 self._writer.record_error(exc)
+
+    def _relist_after_failed_deletion(self, doomed: list[int]) -> None:
+        """List again the steps of ``doomed`` that a failed deletion left committed in storage
+        (they were dropped from the list before the deletion began)."""
+        try:
+            kept = set(self._storage.committed_steps()) & set(doomed)
+        except Exception as exc:  # storage unreachable: the next save's listing corrects it
+            log.warning("could not list the steps after a failed deletion: %s", exc)
+            return
+        with self._lock:
+            self._committed |= kept - self._damaged
 
     def _pack(
         self, tensors: dict[str, torch.Tensor], group: Any

@@ -958,3 +958,36 @@ def test_a_forked_child_cannot_use_its_parents_manager_nor_release_its_things(
     assert all(torch.equal(restored[key], state[key]) for key in state)
     manager.close()
     assert not lease.exists()
+
+
+def test_a_step_whose_retention_delete_failed_stays_listed_and_restorable(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention drops the steps it deletes from the list first; when the deletion failed
+    before anything was removed, the step stayed in storage but all_steps() omitted it and
+    restore() of it raised StepNotFoundError. The failure is injected: the rename that makes a
+    step invisible fails once."""
+    import ckptmgr.storage as storage_module
+
+    real_rename = os.rename
+    failed: list[str] = []
+
+    def rename_failing_once(source: str, target: str) -> None:
+        if ".deleting-" in str(target) and not failed:
+            failed.append(str(source))
+            raise PermissionError(13, "Permission denied (injected)", source)
+        real_rename(source, target)
+
+    monkeypatch.setattr(storage_module.os, "rename", rename_failing_once)
+    with CheckpointManager(ckpt_dir, 1, max_to_keep=1, chkpt_on_preemption=False) as manager:
+        assert manager.save(1, {"w": torch.full((2,), 1.0)})
+        assert manager.save(2, {"w": torch.full((2,), 2.0)})  # deleting step 1 fails
+        assert failed, "the injected fault was never hit"
+        assert manager.all_steps() == [1, 2]
+        restored = {"w": torch.zeros(2)}
+        manager.restore(1, restored)
+        assert torch.equal(restored["w"], torch.full((2,), 1.0))
+        with pytest.raises(CheckpointError, match=r"could not delete step\(s\) \[1\]"):
+            manager.join()
+        assert manager.save(3, {"w": torch.full((2,), 3.0)})  # deletes 1 and 2 now
+        assert manager.all_steps() == [3]
