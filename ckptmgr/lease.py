@@ -35,6 +35,7 @@ the local clock, so hosts with skewed clocks need a ``timeout_s`` above the skew
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -482,11 +483,11 @@ def _create_only(fs: AbstractFileSystem, path: str, data: bytes) -> None:
         # exists, and a reader never sees it empty (an empty record reads as damaged, so as
         # stale, and was once taken over while its writer went on to think it the owner).
         tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
         try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -499,7 +500,8 @@ def _create_only(fs: AbstractFileSystem, path: str, data: bytes) -> None:
                 finally:
                     os.close(fd)
         finally:
-            os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         return
     try:
         fs.pipe_file(path, data, mode="create")

@@ -485,10 +485,9 @@ class StagingBuffers:
     # -- copying ---------------------------------------------------------------------------------
     def _copy(self, layout: _Layout, sources: Mapping[str, torch.Tensor]) -> None:
         srcs = [sources[key] for key in self._copy_keys]
-        for position, (unit, members) in zip(
-            self._share_positions, layout.share_groups, strict=True
-        ):
-            # a shared storage's covered bytes, once
+        # a shared storage's covered bytes, once
+        shared = zip(self._share_positions, layout.share_groups, strict=True)
+        for position, (unit, members) in shared:
             _, size, start = layout.units[unit]
             # Distinct storages can start at one address (tensors from NumPy views of one
             # array): copy through the largest, which holds every view's bytes.
@@ -561,10 +560,9 @@ two moments between 0-dim steps) was measured slower, four tensors about even.""
 
 
 def _cat_runs(packed: list[PackedTensor]) -> list[tuple[int, int]]:
-    """(first, end) indices into ``packed`` (in pack order) of every run of ``_MIN_CAT_RUN``
-    or more tensors
-    that one ``torch.cat`` along dimension 0 copies: back to back, of one dtype, with at least
-    one dimension and the same sizes after the first."""
+    """(first, end) indices into ``packed`` (in pack order) of every run of ``_MIN_CAT_RUN`` or
+    more tensors that one ``torch.cat`` along dimension 0 copies: back to back, of one dtype,
+    with at least one dimension and the same sizes after the first."""
     runs: list[tuple[int, int]] = []
     first = 0
     for index in range(1, len(packed) + 1):
