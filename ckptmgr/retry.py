@@ -172,7 +172,9 @@ def _http_status(error: BaseException) -> int | None:
         status = meta.get("HTTPStatusCode")
         code = (response.get("Error") or {}).get("Code")
         if isinstance(code, str) and code in TRANSIENT_S3_CODES:
-            return 503
+            # the status itself when it says so (an InternalError is a 500); else a transient
+            # code under another status (a store's SlowDown as 400) counts as a 503
+            return status if status in TRANSIENT_HTTP_STATUS else 503
         if isinstance(code, str) and code.isdigit():
             return int(code)
         if isinstance(status, int):

@@ -99,6 +99,17 @@ def test_a_wrapped_transient_cause_is_found() -> None:
     assert describe(boto_error("SlowDown", 503)).startswith("ClientError: HTTP 503")
 
 
+def test_a_transient_s3_code_is_described_with_its_own_status() -> None:
+    """An S3 InternalError is a 500 and was logged as "HTTP 503" (every transient S3 code was);
+    a transient code under a status that is not (a store's SlowDown as 400) still counts as a
+    503, so that it is retried."""
+    assert describe(boto_error("InternalError", 500)).startswith("ClientError: HTTP 500")
+    assert describe(translate_boto_error(boto_error("InternalError", 500))).count("HTTP 500")
+    slow_down_400 = boto_error("SlowDown", 400)
+    assert describe(slow_down_400).startswith("ClientError: HTTP 503")
+    assert is_transient(slow_down_400)
+
+
 def test_config_rejects_bad_values() -> None:
     with pytest.raises(pydantic.ValidationError, match="max_attempts"):
         RetryConfig(max_attempts=0)
