@@ -238,6 +238,19 @@ _HOLDINGS: dict[str, _Holding] = {}
 _HOLDINGS_LOCK = threading.Lock()
 
 
+def _forget_holdings_in_forked_child() -> None:
+    """A forked child holds none of its parent's leases (it has no heartbeat thread, and its
+    pid is not the owner's): a manager it makes acquires anew, and is refused while the parent
+    owns the root. The lock may have been held by another thread at the fork."""
+    global _HOLDINGS_LOCK
+    _HOLDINGS.clear()
+    _HOLDINGS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_holdings_in_forked_child)
+
+
 class OwnerLease:
     """A handle on the lease of one checkpoint root (see the module docstring).
 

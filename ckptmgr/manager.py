@@ -844,8 +844,10 @@ class CheckpointManager:
         """Join, stop the background thread and put back signal handlers. Idempotent."""
         if self._closed:
             return
-        if os.getpid() != self._pid:  # a forked child: nothing here is its to stop or release
-            self._closed = True  # (the parent's daemon, lease and signal handlers stay as they are)
+        if os.getpid() != self._pid:  # a forked child: the daemon, lease and writer are the
+            self._closed = True  # parent's; only its copy of the signal handlers is its own
+            if self._preemption is not None:
+                self._preemption.close()
             return
         # Interrupted here (Ctrl-C), saves are still running: nothing is released, and close()
         # may be called again.

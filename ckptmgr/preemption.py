@@ -281,6 +281,7 @@ class PreemptionMonitor:
         self.config = config if config is not None else PreemptionConfig()
         self._board = NoticeBoard()
         self._closed = False
+        self._pid = os.getpid()  # a forked child has this process's handlers, not its threads
         self._xla = activate_xla_preemption_sync(self.config.tpu)
         names = list(self.config.signals)
         if self._xla is not None and "SIGTERM" in names:
@@ -355,11 +356,15 @@ class PreemptionMonitor:
 
     def close(self) -> None:
         """Restore the signal handlers and stop the threads (within about a second, even in a
-        long poll: the request in flight is aborted). Idempotent."""
+        long poll: the request in flight is aborted). Idempotent. In a forked child of the
+        process that made the monitor, which inherited its signal handlers but none of its
+        threads, this restores the child's handlers only."""
         if self._closed:
             return
         self._closed = True
         self._signals.close()
+        if os.getpid() != self._pid:
+            return
         for watcher in self._watchers:
             watcher.stop()
         deadline = time.monotonic() + CLOSE_TIMEOUT_S

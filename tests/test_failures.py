@@ -11,7 +11,9 @@ import errno
 import logging
 import os
 import re
+import select
 import shutil
+import signal
 import threading
 import time
 import warnings
@@ -958,6 +960,50 @@ def test_a_forked_child_cannot_use_its_parents_manager_nor_release_its_things(
     assert all(torch.equal(restored[key], state[key]) for key in state)
     manager.close()
     assert not lease.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_close_in_a_forked_child_puts_back_the_childs_own_signal_handlers(
+    tmp_path: Path,
+) -> None:
+    """A forked child inherits the manager's SIGTERM handler, which only notes a preemption
+    notice. close() there released nothing, the handler included, so the child went on
+    ignoring SIGTERM (a multiprocessing terminate() left it running). It now puts back the
+    child's own copy of the handlers, and the parent's stay installed."""
+    before = signal.getsignal(signal.SIGTERM)
+    manager = CheckpointManager(tmp_path, 1)  # chkpt_on_preemption=True: handles SIGTERM
+    installed = signal.getsignal(signal.SIGTERM)
+    assert installed != before
+    closed_read, closed_write = os.pipe()
+    alive_read, alive_write = os.pipe()  # the child's end closes when it dies
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(closed_read)
+            os.close(alive_read)
+            manager.close()
+            os.write(closed_write, b"closed")
+            select.select([], [], [], 2 * BOUND_S)  # until a signal ends it, or the bound
+        finally:
+            os._exit(3)
+    os.close(closed_write)
+    os.close(alive_write)
+    try:
+        ready, _, _ = select.select([closed_read], [], [], BOUND_S)
+        assert ready and os.read(closed_read, 16) == b"closed"
+        os.kill(pid, signal.SIGTERM)
+        ready, _, _ = select.select([alive_read], [], [], BOUND_S)
+        assert ready and os.read(alive_read, 16) == b"", "the child ignored SIGTERM"
+    finally:
+        os.close(closed_read)
+        os.close(alive_read)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == installed  # the parent's, still in place
+    manager.close()
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_a_step_whose_retention_delete_failed_stays_listed_and_restorable(

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, held_dcp_writes, run_python
+from conftest import REPO, held_dcp_writes, in_forked_child, run_python
 
 from ckptmgr import CheckpointError, CheckpointManager, dcp_io
-from ckptmgr.lease import LEASE_NAME
+from ckptmgr.lease import LEASE_NAME, LeaseHeldError
 
 BOUND_S = 90.0
 pytestmark = [
@@ -239,6 +239,30 @@ def test_a_save_committed_after_a_take_over_deletes_none_of_the_new_owners_steps
         restored = {"w": torch.zeros(4)}
         reader.restore(5, restored)
         assert torch.equal(restored["w"], torch.full((4,), 5.0))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_manager_made_in_a_forked_child_is_refused_while_the_parent_owns_the_root(
+    root: Path,
+) -> None:
+    """A forked child inherited the process's lease holdings, so a manager it made on its
+    parent's root shared the parent's lease without a heartbeat of its own, and its retention
+    deleted the parent's steps. The child now acquires anew, as any other process would."""
+    with manager(root) as parent:
+        assert parent.save(1, {"w": torch.full((4,), 1.0)})
+
+        def open_in_child() -> bytes:
+            try:
+                with manager(root, max_to_keep=1) as child:
+                    child.save(2, {"w": torch.full((4,), 2.0)})
+            except LeaseHeldError:
+                return b"refused"
+            return b"accepted"
+
+        assert in_forked_child(open_in_child) == b"refused"
+        assert owner_pid(root) == os.getpid()
+        assert parent.save(3, {"w": torch.full((4,), 3.0)})
+        assert parent.all_steps() == [1, 3]
 
 
 def test_a_read_only_manager_creates_no_root(tmp_path: Path) -> None:
