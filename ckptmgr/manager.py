@@ -718,14 +718,29 @@ class CheckpointManager:
             self._log_preemption_answered(step)
         if comm.is_coordinator and outcome.deleted:
             try:
-                if self._lease is not None:  # taken over since the commit: the steps may be
-                    self._lease.confirm()  # the new owner's now; read the record, not the flag
+                self._confirm_lease_before_deleting()
                 pruning.delete_steps(self._storage, outcome.deleted)
             except CheckpointError as exc:  # step is committed: report at join/next save/close
                 log.error("%s", exc, exc_info=exc.__cause__)
                 if not comm.distributed:  # (the other ranks cannot know: every rank lists
                     self._relist_after_failed_deletion(outcome.deleted)  # the same steps)
                 self._writer.record_error(exc)
+
+    def _confirm_lease_before_deleting(self) -> None:
+        """Raise ``CheckpointError`` unless the lease is still this job's, read from storage now:
+        the heartbeat finds a take-over only at its next beat, and the steps may be the new
+        owner's by then. A failed read deletes nothing either."""
+        if self._lease is None:
+            return
+        try:
+            self._lease.confirm()
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"retention deleted nothing: the owner lease could not be read to confirm that "
+                f"this job still owns {self.config.path}: {_describe(exc)}"
+            ) from exc
 
     def _relist_after_failed_deletion(self, doomed: list[int]) -> None:
         """List again the steps of ``doomed`` that a failed deletion left committed in storage

@@ -48,6 +48,16 @@ class Faults:
     blocked: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     raised: list[OSError] = field(default_factory=list)
+    fail_read_suffixes: tuple[str, ...] = ()  # reads (cat_file) that fail once each
+
+    def before_read(self, path: str) -> None:
+        """Fail the first read of each path ending in one of ``fail_read_suffixes``."""
+        suffix = next((s for s in self.fail_read_suffixes if path.endswith(s)), None)
+        if suffix is not None:
+            self.fail_read_suffixes = tuple(s for s in self.fail_read_suffixes if s != suffix)
+            error = ConnectionResetError(errno.ECONNRESET, f"injected read failure for {path}")
+            self.raised.append(error)
+            raise error
 
     def before_write(self, path: str) -> None:
         """Block or fail the write of ``path`` as configured (called before anything is stored)."""
@@ -83,6 +93,10 @@ class FlakyFileSystem(MemoryFileSystem):
         if any(flag in mode for flag in "wxa+"):
             self.faults.before_write(self._strip_protocol(path))
         return super()._open(path, mode, **kwargs)
+
+    def cat_file(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        self.faults.before_read(self._strip_protocol(path))
+        return super().cat_file(path, *args, **kwargs)
 
 
 @pytest.fixture
@@ -1035,5 +1049,31 @@ def test_a_step_whose_retention_delete_failed_stays_listed_and_restorable(
         assert torch.equal(restored["w"], torch.full((2,), 1.0))
         with pytest.raises(CheckpointError, match=r"could not delete step\(s\) \[1\]"):
             manager.join()
+        assert manager.save(3, {"w": torch.full((2,), 3.0)})  # deletes 1 and 2 now
+        assert manager.all_steps() == [3]
+
+
+def test_a_failed_read_of_the_lease_before_a_retention_delete_deletes_nothing_and_fails_no_save(
+    flaky: type[FlakyFileSystem],
+) -> None:
+    """Retention reads owner.json right before it deletes. A read error there (a reset
+    connection, an EIO) escaped as the save's own failure: save() raised for a step it had
+    committed, and the step retention meant to delete stayed in storage but unlisted. Now
+    nothing is deleted, the save returns True, both steps stay listed and restorable, and the
+    error is reported like a failed deletion."""
+    with CheckpointManager(
+        f"{PROTOCOL}://run", 1, max_to_keep=1, chkpt_on_preemption=False
+    ) as manager:
+        assert manager.save(1, {"w": torch.full((2,), 1.0)})
+        flaky.faults.fail_read_suffixes = ("owner.json",)
+        assert manager.save(2, {"w": torch.full((2,), 2.0)})
+        assert flaky.faults.raised, "the injected fault was never hit"
+        assert manager.all_steps() == [1, 2]
+        restored = {"w": torch.zeros(2)}
+        manager.restore(1, restored)
+        assert torch.equal(restored["w"], torch.full((2,), 1.0))
+        with pytest.raises(CheckpointError, match="retention deleted nothing") as raised:
+            manager.join()
+        assert isinstance(raised.value.__cause__, ConnectionResetError)
         assert manager.save(3, {"w": torch.full((2,), 3.0)})  # deletes 1 and 2 now
         assert manager.all_steps() == [3]
