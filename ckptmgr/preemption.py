@@ -165,6 +165,7 @@ class SignalWatcher:
         self._previous: dict[signal.Signals, _Handler] = {}
         self._pending = False
         self._closed = False
+        self._pid = os.getpid()  # in a forked child, which inherits the handler, it acts closed
         #: The first signal since the last :meth:`clear`, and when it arrived.
         self.received: signal.Signals | None = None
         self.received_at: float | None = None
@@ -182,7 +183,9 @@ class SignalWatcher:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._closed:  # act as the handler before this one would
+        # Closed, or in a forked child (whose manager is unusable: a notice there would only
+        # keep the child from dying of a SIGTERM): act as the handler before this one would.
+        if self._closed or os.getpid() != self._pid:
             previous = self._previous.get(signal.Signals(signum))
             # Still installed (closed off the main thread): put the handlers back now. Else a
             # handler installed later calls this one, as its previous: pass the signal on.

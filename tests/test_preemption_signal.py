@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import random
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -215,3 +217,32 @@ def test_a_closed_managers_handler_under_a_later_one_passes_signals_on(tmp_path:
     lines = result.stdout.splitlines()
     assert lines[0] == "after a SIGTERM: second notified True before ran ['before']", lines
     assert lines[1] == "library handler ran ['library']", lines
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_forked_child_dies_of_sigterm_although_it_inherited_the_handler(tmp_path: Path) -> None:
+    """A forked child (a multiprocessing worker, say) inherits the manager's SIGTERM handler,
+    which only notes a notice for the next save; but the parent's manager cannot save in the
+    child, so the child ignored SIGTERM and terminate() left it running. In a forked child the
+    handler now acts as the one before it: here the default, so the child dies."""
+    bound_s = 60.0
+    context = multiprocessing.get_context("fork")
+    running = context.Event()
+
+    def run() -> None:  # a SIGTERM before the child runs Python is dropped by CPython's fork
+        running.set()
+        time.sleep(4 * bound_s)
+
+    manager = CheckpointManager(tmp_path, 1)  # chkpt_on_preemption=True: handles SIGTERM
+    child = context.Process(target=run)
+    try:
+        child.start()
+        assert running.wait(bound_s)
+        child.terminate()
+        child.join(bound_s)
+        assert child.exitcode == -signal.SIGTERM, "the child ignored SIGTERM"
+    finally:
+        if child.exitcode is None:
+            child.kill()
+            child.join(bound_s)
+        manager.close()
