@@ -145,6 +145,16 @@ class Owner:
         start = _pid_start(self.pid)
         return self.pid_start is not None and start is not None and start != self.pid_start
 
+    def is_live_ancestor(self) -> bool:
+        """True when the owner is this process's parent (or the parent's parent, ...) and still
+        runs: a forked child of the owner, of the same job, is not the job's restart."""
+        if not self.same_host() or self.in_other_pid_namespace():
+            return False
+        if self.pid not in _ancestor_pids() or not _pid_exists(self.pid):
+            return False
+        start = _pid_start(self.pid)
+        return self.pid_start is None or start is None or start == self.pid_start
+
     def in_other_pid_namespace(self) -> bool:
         """True when the owner ran on this host in another PID namespace (a container)."""
         return self.same_host() and self.pid_ns is not None and self.pid_ns != _pid_namespace()
@@ -186,6 +196,7 @@ class _Holding:
         self.interval_s = interval_s
         self.users = 0
         self.key = ""  # where _HOLDINGS lists it
+        self.pid = os.getpid()  # a forked child inherits the object, not the hold
         self.lost: LeaseLostError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -289,10 +300,19 @@ class OwnerLease:
         """The record this handle holds, or None when it holds nothing."""
         return None if self._holding is None else self._holding.owner
 
+    def _own_holding(self) -> _Holding | None:
+        """The holding, unless this is a forked child of the process that holds it: the child
+        forgets it (touching nothing in storage), and holds nothing."""
+        holding = self._holding
+        if holding is not None and holding.pid != os.getpid():
+            self._holding = holding = None
+        return holding
+
     def acquire(self) -> Owner:
         """Become the owner, or raise :class:`LeaseHeldError`; returns the record written."""
-        if self._holding is not None:
-            return self._holding.owner
+        holding = self._own_holding()
+        if holding is not None:
+            return holding.owner
         key = self._key()
         for _ in range(3):
             with _HOLDINGS_LOCK:
@@ -379,7 +399,7 @@ class OwnerLease:
     def _why_take(self, current: Owner) -> str | None:
         """Why ``current``'s lease may be taken over, or None when it must be respected."""
         now = time.time()
-        if current.job_id == self.job_id:
+        if current.job_id == self.job_id and not current.is_live_ancestor():
             return "the same job (a restart)"
         if current.is_dead():
             return f"its process {current.pid} no longer exists on this host"
@@ -415,26 +435,30 @@ class OwnerLease:
 
     def refresh(self) -> None:
         """Refresh the heartbeat now (the daemon thread does this on its own)."""
-        if self._holding is None:
-            raise CheckpointError("the owner lease is not held")
+        holding = self._own_holding()
+        if holding is None:
+            raise CheckpointError("the owner lease is not held (by this process)")
         with _HOLDINGS_LOCK:
-            self._holding.refresh()
+            holding.refresh()
 
     def check(self) -> None:
         """Raise :class:`LeaseLostError` if the heartbeat found the lease taken over."""
-        if self._holding is not None and self._holding.lost is not None:
-            raise self._holding.lost
+        holding = self._own_holding()
+        if holding is not None and holding.lost is not None:
+            raise holding.lost
 
     def confirm(self) -> None:
         """Read the record now and raise :class:`LeaseLostError` unless it is still this
         lease's: the heartbeat finds a take-over only at its next beat (up to a quarter of
         ``timeout_s`` later), which is too late before deleting anything."""
-        if self._holding is not None:
-            self._holding.confirm()
+        holding = self._own_holding()
+        if holding is not None:
+            holding.confirm()
 
     def release(self) -> None:
-        """Give the lease back: delete the record if it is still ours. Idempotent."""
-        holding, self._holding = self._holding, None
+        """Give the lease back: delete the record if it is still ours. Idempotent. In a forked
+        child of the holding process it only forgets the holding: the lease is the parent's."""
+        holding, self._holding = self._own_holding(), None
         if holding is None:
             return
         with _HOLDINGS_LOCK:
@@ -552,6 +576,20 @@ def _pid_exists(pid: int) -> bool:
         return True
     fields = _proc_stat(pid)
     return not (fields and fields[0] in ("Z", "X"))
+
+
+def _ancestor_pids() -> set[int]:
+    """The pids of this process's parent, its parent, and so on up to pid 1 (from ``/proc``
+    on Linux; elsewhere the parent's only)."""
+    found: set[int] = set()
+    pid = os.getppid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        fields = _proc_stat(pid)
+        if not fields or len(fields) < 2 or not fields[1].isdigit():
+            break
+        pid = int(fields[1])  # the parent's pid
+    return found
 
 
 def _pid_start(pid: int) -> str | None:

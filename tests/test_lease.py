@@ -22,7 +22,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from conftest import REPO
+from conftest import REPO, in_forked_child
 from fsspec.implementations.local import LocalFileSystem
 
 from ckptmgr import CheckpointError
@@ -594,3 +594,26 @@ def test_lease_on_an_fsspec_store() -> None:
 def test_invalid_timeout_is_rejected(root: Path) -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         lease_of(root, timeout_s=0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_forked_child_neither_releases_nor_inherits_its_parents_lease(root: Path) -> None:
+    """The child's copy of a held OwnerLease (a with block it leaves, say) deleted the
+    parent's owner.json on release, and a manager of the child shared the parent's hold. Now
+    release() there only forgets the holding, and acquire() there acquires anew, as a process
+    of its own: refused while the parent (the same job, by the handle's job id) lives."""
+    with lease_of(root) as held:
+        lease_id = record(root)["lease_id"]
+
+        def leave_then_acquire() -> bytes:
+            held.release()
+            try:
+                held.acquire()
+            except LeaseHeldError:
+                return b"refused"
+            return b"acquired"
+
+        assert in_forked_child(leave_then_acquire) == b"refused"
+        assert record(root)["lease_id"] == lease_id
+        held.refresh()  # still the parent's
+    assert not (root / LEASE_NAME).exists()

@@ -242,12 +242,17 @@ def test_a_save_committed_after_a_take_over_deletes_none_of_the_new_owners_steps
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+@pytest.mark.parametrize("job_id", [None, "job-7"])
 def test_a_manager_made_in_a_forked_child_is_refused_while_the_parent_owns_the_root(
-    root: Path,
+    root: Path, monkeypatch: pytest.MonkeyPatch, job_id: str | None
 ) -> None:
     """A forked child inherited the process's lease holdings, so a manager it made on its
     parent's root shared the parent's lease without a heartbeat of its own, and its retention
-    deleted the parent's steps. The child now acquires anew, as any other process would."""
+    deleted the parent's steps. The child now acquires anew, as any other process would; and
+    with a job identity it shares with the parent, it is not taken for the job's restart (which
+    takes the lease over) while the parent, its ancestor, lives."""
+    if job_id is not None:
+        monkeypatch.setenv("CKPTMGR_JOB_ID", job_id)
     with manager(root) as parent:
         assert parent.save(1, {"w": torch.full((4,), 1.0)})
 
