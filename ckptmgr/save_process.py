@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import multiprocessing.process
+import multiprocessing.resource_sharer
 import multiprocessing.util
+import os
 import signal
 import socket
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -200,6 +204,7 @@ class SaveProcess:
         info.ckptmgr_timeout_s = self._timeout_s
         log.info("starting the checkpoint daemon process (async_mode='process')")
         self._daemon = _CheckpointProcess(pg_init_info=info)
+        _STARTED_DAEMONS.add(self._daemon._save_process)
         # Stopped at interpreter exit, or when this object is collected (a dropped manager).
         self._exit_hook = multiprocessing.util.Finalize(
             self, _stop_daemon, args=(self._daemon,), exitpriority=_EXIT_PRIORITY
@@ -220,6 +225,32 @@ class SaveProcess:
         info.disable_automatic_gc = False
         info.disable_manual_gc = False
         return info
+
+
+_STARTED_DAEMONS: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The ``multiprocessing`` process objects of the daemons this process started."""
+
+
+def _forget_the_parents_daemons_in_forked_child() -> None:
+    """In a child made by ``os.fork`` (multiprocessing does the same for the children it
+    makes): the parent's daemons are not the child's children, so the child's exit neither
+    signals nor joins them; and the resource sharer that hands a daemon the file descriptors of
+    the staged tensors is the parent's, so a daemon started by the child would ask the parent's
+    listener for them, and each of the child's saves would fail."""
+    try:
+        for daemon in list(_STARTED_DAEMONS):
+            multiprocessing.process._children.discard(daemon)  # type: ignore[attr-defined]
+        _STARTED_DAEMONS.clear()
+        sharer = getattr(multiprocessing.resource_sharer, "_resource_sharer", None)
+        after_fork = getattr(sharer, "_afterfork", None)
+        if after_fork is not None:
+            after_fork()
+    except Exception as exc:  # never fail a fork; the child's own daemons may fail then
+        log.warning("resetting the checkpoint daemons' state in a forked child: %r", exc)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_the_parents_daemons_in_forked_child)
 
 
 def _stop_daemon(daemon: Any) -> None:

@@ -838,3 +838,36 @@ def test_process_mode_saves_to_s3_and_restores_bit_exact(s3_server: Server) -> N
         for entry in record.files:
             data = storage.fs.cat_file(f"{storage.step_path(step)}/{entry.path}")
             assert (entry.size, entry.crc32) == (len(data), zlib.crc32(data)), entry
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_forked_child_of_a_process_mode_parent_saves_with_its_own_daemon(tmp_path: Path) -> None:
+    """A child made by os.fork inherited multiprocessing's resource sharer from a parent that
+    had sent staged tensors to its daemon: the child's own daemon then asked the parent's
+    listener for the child's file descriptors, and every save of the child failed."""
+    from conftest import in_forked_child
+
+    state = {"w": torch.arange(8.0), **{f"s/{i}": torch.full((4,), float(i)) for i in range(40)}}
+    with CheckpointManager(
+        tmp_path / "parent", 1, chkpt_on_preemption=False, async_mode="process"
+    ) as parent:
+        assert parent.save_async(1, state)
+        parent.join()
+
+        def save_in_child() -> bytes:
+            with CheckpointManager(
+                tmp_path / "child", 1, chkpt_on_preemption=False, async_mode="process"
+            ) as child:
+                for step in (1, 2):
+                    state["w"].add_(1)
+                    child.save_async(step, state)
+                    child.join()
+                restored = {key: torch.zeros_like(value) for key, value in state.items()}
+                child.restore(2, restored)
+                exact = all(torch.equal(restored[key], state[key]) for key in state)
+                return b"saved, bit-exact" if exact else b"saved, but differs"
+
+        assert in_forked_child(save_in_child, timeout_s=180.0) == b"saved, bit-exact"
+        assert parent.save_async(2, state)
+        parent.join()
+        assert parent.all_steps() == [1, 2]
