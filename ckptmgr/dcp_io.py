@@ -921,8 +921,17 @@ def make_reader(
 def save_tensors(
     tensors: dict[str, torch.Tensor], writer: Any, group: dist.ProcessGroup | None
 ) -> dcp_metadata.Metadata:
-    """Write ``tensors`` with DCP; collective over ``group`` when distributed."""
-    return dcp.save(tensors, storage_writer=writer, process_group=group)
+    """Write ``tensors`` with DCP; collective over ``group`` when distributed. A tensor of a
+    kind that cannot be stored (see :func:`tensor_bytes.check_storable`) that DCP fails on
+    before writing it (a nested tensor, in planning) raises ``CheckpointError`` naming it."""
+    try:
+        return dcp.save(tensors, storage_writer=writer, process_group=group)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # DCP's CheckpointException is a BaseException
+        for name, tensor in tensors.items():
+            tensor_bytes.check_storable(name, tensor)
+        raise
 
 
 def load_tensors(

@@ -303,7 +303,12 @@ class StagingBuffers:
         """
         if self._arena is not None and self._arena.inherited:
             self.free()  # a forked child: the parent's arena is not mapped or not its own
-        quick = _quick_signature(tensors, pack)
+        try:
+            quick = _quick_signature(tensors, pack)
+        except Exception:  # (a nested tensor has no shape: say so rather than torch's error)
+            for key, tensor in tensors.items():
+                check_storable(key, tensor)
+            raise
         layout = self._layout
         if (
             layout is not None

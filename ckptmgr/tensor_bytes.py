@@ -38,7 +38,7 @@ _HANDOFF_BYTES = 1 << 20
 def check_storable(name: str, tensor: torch.Tensor) -> None:
     """Raise ``CheckpointError`` when ``tensor`` (stored as ``name``) is of a kind whose bytes
     do not hold its value: sparse (no dense bytes), quantized (the bytes are its integers; the
-    scale and zero point would be lost) or meta (no data)."""
+    scale and zero point would be lost), meta (no data) or nested (no single dense shape)."""
     if tensor.layout != torch.strided:
         layout = str(tensor.layout).removeprefix("torch.")
         reason = f"a {layout} tensor has no dense bytes (store tensor.to_dense() instead)"
@@ -49,6 +49,8 @@ def check_storable(name: str, tensor: torch.Tensor) -> None:
         )
     elif tensor.is_meta:
         reason = "a tensor on the meta device holds no data"
+    elif tensor.is_nested:
+        reason = "a nested tensor has no single dense shape (store tensor.unbind() instead)"
     else:
         return
     raise CheckpointError(f"cannot checkpoint {name!r}: {reason}")
