@@ -146,14 +146,17 @@ class Owner:
         return self.pid_start is not None and start is not None and start != self.pid_start
 
     def is_live_ancestor(self) -> bool:
-        """True when the owner is this process's parent (or the parent's parent, ...) and still
-        runs: a forked child of the owner, of the same job, is not the job's restart."""
+        """True when the owner is an ancestor of this process (its parent, the parent's parent,
+        ..., or a process it was forked from through one that has exited since) and still runs:
+        a forked child of the owner, of the same job, is not the job's restart."""
         if not self.same_host() or self.in_other_pid_namespace():
             return False
-        if self.pid not in _ancestor_pids() or not _pid_exists(self.pid):
+        forked_from = any(
+            pid == self.pid and _same_start(start, self.pid_start) for pid, start in _FORKED_FROM
+        )
+        if not (forked_from or self.pid in _ancestor_pids()) or not _pid_exists(self.pid):
             return False
-        start = _pid_start(self.pid)
-        return self.pid_start is None or start is None or start == self.pid_start
+        return _same_start(_pid_start(self.pid), self.pid_start)
 
     def in_other_pid_namespace(self) -> bool:
         """True when the owner ran on this host in another PID namespace (a container)."""
@@ -249,17 +252,32 @@ _HOLDINGS: dict[str, _Holding] = {}
 _HOLDINGS_LOCK = threading.Lock()
 
 
+_FORKED_FROM: tuple[tuple[int, str | None], ...] = ()
+"""(pid, start time) of each process this one was forked from, the parent last. ``/proc``'s
+parent links lose an ancestor that exited (its children are reparented); this does not."""
+_forking: tuple[int, str | None] | None = None  # this process, while it forks
+
+
+def _note_the_forking_process() -> None:
+    global _forking
+    _forking = (os.getpid(), _pid_start(os.getpid()))
+
+
 def _forget_holdings_in_forked_child() -> None:
     """A forked child holds none of its parent's leases (it has no heartbeat thread, and its
     pid is not the owner's): a manager it makes acquires anew, and is refused while the parent
     owns the root. The lock may have been held by another thread at the fork."""
-    global _HOLDINGS_LOCK
+    global _HOLDINGS_LOCK, _FORKED_FROM
     _HOLDINGS.clear()
     _HOLDINGS_LOCK = threading.Lock()
+    if _forking is not None:
+        _FORKED_FROM = (*_FORKED_FROM, _forking)
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_holdings_in_forked_child)
+    os.register_at_fork(
+        before=_note_the_forking_process, after_in_child=_forget_holdings_in_forked_child
+    )
 
 
 class OwnerLease:
@@ -578,12 +596,18 @@ def _pid_exists(pid: int) -> bool:
     return not (fields and fields[0] in ("Z", "X"))
 
 
+def _same_start(start: str | None, recorded: str | None) -> bool:
+    """False only when both start times are known and differ (the pid was reused)."""
+    return start is None or recorded is None or start == recorded
+
+
 def _ancestor_pids() -> set[int]:
     """The pids of this process's parent, its parent, and so on up to pid 1 (from ``/proc``
-    on Linux; elsewhere the parent's only)."""
+    on Linux; elsewhere the parent's only). Pid 1 counts: in a container, the trainer may be
+    it."""
     found: set[int] = set()
     pid = os.getppid()
-    while pid > 1 and pid not in found:
+    while pid > 0 and pid not in found:
         found.add(pid)
         fields = _proc_stat(pid)
         if not fields or len(fields) < 2 or not fields[1].isdigit():

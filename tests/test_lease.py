@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -617,3 +618,75 @@ def test_a_forked_child_neither_releases_nor_inherits_its_parents_lease(root: Pa
         assert record(root)["lease_id"] == lease_id
         held.refresh()  # still the parent's
     assert not (root / LEASE_NAME).exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_descendant_whose_forking_parent_exited_is_not_taken_for_the_jobs_restart(
+    root: Path,
+) -> None:
+    """The owner forks A, A forks B and exits (B is reparented, as a daemon is): /proc's parent
+    links no longer lead from B to the owner, and B, of the same job, took the live owner's
+    lease over as its restart. The processes a process was forked from are now remembered."""
+    with lease_of(root, job_id="job-7") as held:
+        go_read, go_write = os.pipe()
+        answer_read, answer_write = os.pipe()
+        a = os.fork()
+        if a == 0:  # pragma: no cover - child A: forks B, then exits
+            if os.fork() == 0:  # child B: acquires once A is gone (reaped: B is reparented)
+                answer = b"no answer"
+                try:
+                    if select.select([go_read], [], [], BOUND_S)[0]:
+                        lease_of(root, job_id="job-7").acquire()
+                        answer = b"acquired"
+                except LeaseHeldError:
+                    answer = b"refused"
+                finally:
+                    os.write(answer_write, answer)
+                    os._exit(0)
+            os._exit(0)
+        os.close(answer_write)
+        os.waitpid(a, 0)
+        os.write(go_write, b"go")
+        ready, _, _ = select.select([answer_read], [], [], BOUND_S)
+        answer = os.read(answer_read, 64) if ready else b"timed out"
+        for fd in (go_read, go_write, answer_read):
+            os.close(fd)
+        assert answer == b"refused"
+        held.refresh()  # still the owner's
+
+
+PID_1_OWNER_CODE = r"""
+import os, sys
+from fsspec.implementations.local import LocalFileSystem
+from ckptmgr.lease import LeaseHeldError, OwnerLease
+root = sys.argv[1]
+with OwnerLease(LocalFileSystem(), root, job_id="job-7") as held:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            OwnerLease(LocalFileSystem(), root, job_id="job-7").acquire()
+            print("child acquired", flush=True)
+        except LeaseHeldError:
+            print("child refused", flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    held.refresh()
+    print(f"owner pid {os.getpid()} still holds", flush=True)
+"""
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="unshare(1) cannot make a PID namespace here")
+def test_an_owner_that_is_pid_1_is_an_ancestor_too(root: Path) -> None:
+    """In a container the trainer may be pid 1, which the walk up the parent links left out:
+    its forked child, of the same job, took its lease over as the job's restart."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    done = subprocess.run(
+        [*NEW_PID_NAMESPACE, sys.executable, "-c", PID_1_OWNER_CODE, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["child refused", "owner pid 1 still holds"]
