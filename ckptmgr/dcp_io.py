@@ -929,8 +929,7 @@ def save_tensors(
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException:  # DCP's CheckpointException is a BaseException
-        for name, tensor in tensors.items():
-            tensor_bytes.check_storable(name, tensor)
+        tensor_bytes.check_all_storable(tensors)
         raise
 
 

@@ -142,8 +142,7 @@ class Owner:
             return False  # another container on this host: its pid means nothing here
         if not _pid_exists(self.pid):
             return True
-        start = _pid_start(self.pid)
-        return self.pid_start is not None and start is not None and start != self.pid_start
+        return not _same_start(_pid_start(self.pid), self.pid_start)
 
     def is_live_ancestor(self) -> bool:
         """True when the owner is an ancestor of this process (its parent, the parent's parent,

@@ -50,7 +50,7 @@ from ckptmgr.packing import (
     fingerprint,
     pack_layout,
 )
-from ckptmgr.tensor_bytes import byte_extent, check_storable
+from ckptmgr.tensor_bytes import byte_extent, check_all_storable, check_storable
 
 log = logging.getLogger(__name__)
 
@@ -306,8 +306,7 @@ class StagingBuffers:
         try:
             quick = _quick_signature(tensors, pack)
         except Exception:  # (a nested tensor has no shape: say so rather than torch's error)
-            for key, tensor in tensors.items():
-                check_storable(key, tensor)
+            check_all_storable(tensors)
             raise
         layout = self._layout
         if (
@@ -330,9 +329,8 @@ class StagingBuffers:
         assert layout is not None
         try:
             self._copy(layout, sources)
-        except Exception:
-            for key, source in sources.items():  # (a tensor turned sparse keeps the quick
-                check_storable(key, source)  # signature: say so rather than torch's error)
+        except Exception:  # (a tensor turned sparse keeps the quick signature: say so
+            check_all_storable(sources)  # rather than torch's error)
             raise
         if layout.plain:
             return dict(self._out)

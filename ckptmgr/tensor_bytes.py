@@ -22,6 +22,7 @@ import os
 import queue
 import threading
 import zlib
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -54,6 +55,13 @@ def check_storable(name: str, tensor: torch.Tensor) -> None:
     else:
         return
     raise CheckpointError(f"cannot checkpoint {name!r}: {reason}")
+
+
+def check_all_storable(tensors: Mapping[str, torch.Tensor]) -> None:
+    """:func:`check_storable` for each of ``tensors`` (name -> tensor): run where torch failed on
+    a state, so that the error names the tensor rather than torch's internals."""
+    for name, tensor in tensors.items():
+        check_storable(name, tensor)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
