@@ -2,8 +2,9 @@
 
 With thousands of small tensors, restore's cost is per tensor, so this module does one pass over
 the destinations that matches each against the record (its offset, dtype and shape) and one
-``torch.split_with_sizes_copy`` per run of back-to-back tensors of one dtype, which copies the
-pack's pieces straight into the destinations without making a view of each piece.
+``torch.split_with_sizes_copy`` per run of back-to-back tensors of one dtype on one device, which
+copies the pack's pieces straight into the destinations without making a view of each piece (for
+a device such as CUDA, after one host-to-device copy of the run's bytes).
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 class _Run:
-    """Tensors back to back in the pack, of one dtype: copied out in one call."""
+    """Tensors back to back in the pack, of one dtype, on one device (None: the CPU): copied
+    out in one call."""
 
-    __slots__ = ("dtype", "end", "outs", "sizes", "start")
+    __slots__ = ("device", "dtype", "end", "outs", "sizes", "start")
 
-    def __init__(self, start: int, dtype: torch.dtype) -> None:
+    def __init__(self, start: int, dtype: torch.dtype, device: torch.device | None) -> None:
         self.start = start
         self.end = start
         self.dtype = dtype
+        self.device = device
         self.outs: list[torch.Tensor] = []
         self.sizes: list[int] = []
 
@@ -55,9 +58,11 @@ def split_for_load(
     Destinations of tensors in the record's pack are replaced by one buffer for the pack (when
     any is wanted); the function then copies each packed tensor into its destination (a plain
     tensor on any device, converting the dtype as DCP does for tensors stored on their own, or a
-    ``DTensor``, which gets its local part). A destination whose shape differs from the stored
-    one raises ``CheckpointError`` now, before anything is read or written; a record that packs
-    a tensor it does not describe, or outside the pack, raises ``CorruptCheckpointError``.
+    ``DTensor``, which gets its local part). Plain destinations of the stored dtype are filled
+    straight from the pack, on the CPU or, after one copy of each run's bytes there, on their
+    device. A destination whose shape differs from the stored one raises ``CheckpointError``
+    now, before anything is read or written; a record that packs a tensor it does not describe,
+    or outside the pack, raises ``CorruptCheckpointError``.
     """
     packed = record.packed
     if not packed:
@@ -67,7 +72,7 @@ def split_for_load(
     later: list[_Later] = []
     tensors = record.tensors
     dtypes: dict[str, _StoredDtype] = {}
-    run = _Run(-1, torch.uint8)
+    run = _Run(-1, torch.uint8, None)
     wanted_bytes = wanted_count = 0
     # Every torch call below costs 0.1-0.3 µs, and there are tens of thousands of tensors: the
     # loop makes as few as its checks need (no numel(), which the stored shape gives, and no
@@ -96,24 +101,27 @@ def split_for_load(
                 f"the record places the packed tensor {key!r} at offset {offset}, not aligned "
                 f"to its {entry.dtype} items"
             )
-        if offset != run.end or dtype is not run.dtype:
-            run = _Run(offset, dtype)
-            runs.append(run)
+        device: torch.device | None = None  # where ``out`` lies: None for the CPU
         if (
             type(dest) in _PLAIN_TENSOR_TYPES
             and dest.dtype is dtype
-            and dest.is_cpu
             and not dest.is_neg()  # lazy negative/conjugate views cannot be an ``out=``
             and not (stored.is_complex and dest.is_conj())
         ):
+            if not dest.is_cpu:
+                device = dest.device
             if len(shape) == 1:
                 out = dest
             elif dest.is_contiguous():
                 out = dest.view(-1)
             else:
+                device = None
                 out = _later(dest, dtype, shape, numel, later)
         else:
             out = _later(dest, dtype, shape, numel, later)
+        if offset != run.end or dtype is not run.dtype or device != run.device:
+            run = _Run(offset, dtype, device)
+            runs.append(run)
         run.outs.append(out)
         run.sizes.append(numel)
         nbytes = numel * stored.itemsize
@@ -194,11 +202,14 @@ def _check_layout(
 
 
 def _unpack(buffer: torch.Tensor, runs: list[_Run], later: list[_Later]) -> None:
-    """Copy every wanted tensor out of the loaded pack ``buffer``: one call per run, then the
-    pieces that could not be copied into their destinations directly."""
+    """Copy every wanted tensor out of the loaded pack ``buffer``: one call per run (a run on a
+    device after one copy of its bytes there), then the pieces that could not be copied into
+    their destinations directly."""
     with torch.no_grad():  # destinations may be parameters
         for run in runs:
             flat = buffer[run.start : run.end].view(run.dtype)
+            if run.device is not None:
+                flat = flat.to(run.device)
             torch.split_with_sizes_copy(flat, run.sizes, 0, out=run.outs)
         for dest, piece, shape in later:
             value = piece.view(shape)

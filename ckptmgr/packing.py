@@ -3,9 +3,9 @@
 DCP plans, describes and writes every tensor as an item of its own: with thousands of small
 tensors (optimizer steps, biases, norms) that per-item work, done on the background thread with
 the GIL held, is what a checkpoint costs the training loop. A single-process save therefore
-stores every plain CPU tensor of at most :data:`PACK_MAX_TENSOR_BYTES` bytes inside one ``uint8``
-tensor, :data:`PACK_KEY`, one after another with no padding; the commit record gives each packed
-tensor's dtype and shape (``tensors``) and byte offset (``packed``).
+stores every plain tensor (on any device) of at most :data:`PACK_MAX_TENSOR_BYTES` bytes inside
+one ``uint8`` host tensor, :data:`PACK_KEY`, one after another with no padding; the commit record
+gives each packed tensor's dtype and shape (``tensors``) and byte offset (``packed``).
 
 Restore loads the pack like any other tensor and copies every packed tensor out of it into its
 destination (:mod:`ckptmgr.pack_load`).
@@ -109,9 +109,9 @@ def pack(
     packed tensor lies). Only names ``may_pack`` accepts are packed; nothing is packed when
     there are fewer than ``PACK_MIN_TENSORS`` candidates.
 
-    The pack is one new tensor: the small tensors grouped by dtype, groups in decreasing item
-    size (so every tensor's offset is a multiple of its item size, with no padding), each group
-    flattened in one call.
+    The pack is one new CPU tensor: the small tensors grouped by dtype, groups in decreasing
+    item size (so every tensor's offset is a multiple of its item size, with no padding), each
+    group flattened in one call per device it lies on (and copied to the host once from there).
     """
     check_names(tensors)
     placed = pack_layout(tensors, candidates(tensors, may_pack))
@@ -120,11 +120,23 @@ def pack(
     flats: list[torch.Tensor] = []
     for dtype, run in _runs(placed, placed):
         members = [tensors[key].detach().resolve_conj().resolve_neg() for key in run]
-        flat = _flatten_dense_tensors(members)
+        flat = _flatten_on_host(members)
         flats.append(flat.view(torch.uint8) if dtype != torch.uint8 else flat)
     stored = {key: tensor for key, tensor in tensors.items() if key not in placed}
     stored[PACK_KEY] = torch.cat(flats)
     return stored, placed
+
+
+def _flatten_on_host(members: list[torch.Tensor]) -> torch.Tensor:
+    """``members`` (of one dtype) flattened back to back into one CPU tensor: each stretch of
+    members on one device in one call there, then copied to the host in one piece."""
+    parts: list[torch.Tensor] = []
+    start = 0
+    for end in range(1, len(members) + 1):
+        if end == len(members) or members[end].device != members[start].device:
+            parts.append(_flatten_dense_tensors(members[start:end]).cpu())
+            start = end
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def pack_layout(
@@ -175,12 +187,16 @@ def _runs(
 
 
 def is_packable(tensor: torch.Tensor) -> bool:
-    """True for a plain (not DTensor), strided, non-empty, not quantized CPU tensor of at most
-    :data:`PACK_MAX_TENSOR_BYTES` bytes."""
+    """True for a plain (not DTensor), strided, non-empty, not quantized tensor with data (on
+    any device but ``meta``) of at most :data:`PACK_MAX_TENSOR_BYTES` bytes.
+
+    Device tensors are packed too: staging copies them into the host pack, and a save from a
+    GPU holds as many small tensors (biases, norms, their optimizer moments) as one from a CPU.
+    """
     if DTensor is not None and isinstance(tensor, DTensor):
         return False
     return (
-        tensor.device.type == "cpu"
+        tensor.device.type != "meta"
         and tensor.layout == torch.strided
         and not tensor.is_quantized
         and 0 < tensor.numel() * tensor.element_size() <= PACK_MAX_TENSOR_BYTES

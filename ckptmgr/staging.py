@@ -448,7 +448,9 @@ class StagingBuffers:
         copy_dst = [
             unit_dst[unit] if shared[unit] else staged[key] for unit, key in enumerate(unit_keys)
         ]
-        runs = _cat_runs(list(packed.values())) if self._layout.on_cpu else []
+        runs = _cat_runs(
+            list(packed.values()), [sources[key].device.type == "cpu" for key in packed]
+        )
         in_runs = {unit for first, end in runs for unit in range(first, end)}
         rest = [unit for unit in range(len(units)) if unit not in in_runs]
         position = {unit: index for index, unit in enumerate(rest)}
@@ -562,17 +564,20 @@ _MIN_CAT_RUN = 4
 two moments between 0-dim steps) was measured slower, four tensors about even."""
 
 
-def _cat_runs(packed: list[PackedTensor]) -> list[tuple[int, int]]:
+def _cat_runs(packed: list[PackedTensor], on_cpu: list[bool]) -> list[tuple[int, int]]:
     """(first, end) indices into ``packed`` (in pack order) of every run of ``_MIN_CAT_RUN`` or
     more tensors that one ``torch.cat`` along dimension 0 copies: back to back, of one dtype,
-    with at least one dimension and the same sizes after the first."""
+    with at least one dimension and the same sizes after the first, and CPU sources (``on_cpu``,
+    per entry: a device's tensors are copied to the host one by one)."""
     runs: list[tuple[int, int]] = []
     first = 0
     for index in range(1, len(packed) + 1):
         if index < len(packed):
             before, entry = packed[index - 1], packed[index]
             if (
-                entry.dtype == before.dtype
+                on_cpu[index]
+                and on_cpu[index - 1]
+                and entry.dtype == before.dtype
                 and entry.shape[1:] == before.shape[1:]
                 and len(entry.shape) == len(before.shape) > 0
                 and entry.offset == before.offset + before.nbytes

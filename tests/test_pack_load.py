@@ -210,3 +210,24 @@ def test_a_failed_copy_out_of_the_pack_raises_checkpoint_error(
         with pytest.raises(CheckpointError, match="restore of step 1 failed: injected") as caught:
             mgr.restore(1, _destinations(saved))
     assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_destinations_on_another_device_get_runs_of_their_own(tmp_path: Path) -> None:
+    """A plain destination off the CPU is filled from the pack by a run of its own (one copy of
+    the run's bytes to its device, then one split there), cut from its CPU neighbours' runs.
+    ``meta`` stands in for CUDA here: its runs take the device path without a GPU, and the CPU
+    destinations between them must still get their own bytes."""
+    saved = _saved_state()
+    target: dict[str, torch.Tensor] = {}
+    for index, (key, value) in enumerate(saved.items()):
+        on_meta = index % 3 == 1 or key.startswith("int64/")  # single ones and a whole stretch
+        target[key] = torch.empty_like(value, device="meta") if on_meta else torch.zeros_like(value)
+    assert {value.device.type for value in target.values()} == {"cpu", "meta"}
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+        manager.restore(1, target)
+    for key, value in saved.items():
+        if target[key].is_cpu:
+            assert _bits_equal(target[key], value), key
+        else:
+            assert target[key].device.type == "meta" and target[key].shape == value.shape, key
