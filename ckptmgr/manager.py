@@ -24,6 +24,7 @@ from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter, FailureHandover
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
+from ckptmgr.device_sync import wait_for_queued_work
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptmgr.gc_pause import gc_paused
 from ckptmgr.integrity import expected_files, raise_problems
@@ -383,6 +384,7 @@ class CheckpointManager:
         if request is None:
             self._exit_if_preemption_answered()
             return False
+        wait_for_queued_work(request.tensors.values())  # the writer thread reads them
         if self._comm.distributed:
             try:
                 self._agree_before_write(step, None, None)

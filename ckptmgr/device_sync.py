@@ -1,0 +1,26 @@
+"""Handing device tensors to another thread: wait for the work queued on them first.
+
+CUDA orders work per stream, and a stream chosen with ``torch.cuda.stream(...)`` is current only
+in the thread that chose it. ``save()`` writes the state on the background writer thread, whose
+reads run on that thread's current stream; work the caller queued on its own current stream
+just before the call could still be running then, and the checkpoint would hold values from
+before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def wait_for_queued_work(tensors: Iterable[torch.Tensor]) -> None:
+    """Block until the work queued so far on the calling thread's current stream of every CUDA
+    device that holds one of ``tensors`` is done. Costs nothing when CUDA was never used in
+    this process."""
+    if not torch.cuda.is_initialized():
+        return
+    devices = {tensor.device for tensor in tensors}
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
