@@ -237,6 +237,7 @@ class StagingBuffers:
         self._copy_keys: list[str] = []  # per unit not in a run: the key it is copied from
         self._share_positions: list[int] = []  # per share group: its unit's index in the above
         self._cat_runs: list[tuple[list[str], torch.Tensor]] = []  # (keys, pack region) per run
+        self._gathers: list[tuple[list[str], torch.Tensor]] = []  # the same, of a CUDA stretch
         self._out: dict[str, torch.Tensor] = {}  # what stage() returns (before DTensor rewrap)
 
     @property
@@ -263,6 +264,7 @@ class StagingBuffers:
         self._copy_keys = []
         self._share_positions = []
         self._cat_runs = []
+        self._gathers = []
         self._out = {}
         self._pack_view = torch.empty(0, dtype=torch.uint8)  # a view keeps the arena mapped
 
@@ -451,7 +453,8 @@ class StagingBuffers:
         runs = _cat_runs(
             list(packed.values()), [sources[key].device.type == "cpu" for key in packed]
         )
-        in_runs = {unit for first, end in runs for unit in range(first, end)}
+        gathers = _gathers(list(packed.values()), [sources[key].device for key in packed])
+        in_runs = {unit for first, end in runs + gathers for unit in range(first, end)}
         rest = [unit for unit in range(len(units)) if unit not in in_runs]
         position = {unit: index for index, unit in enumerate(rest)}
         self._copy_dst = [copy_dst[unit] for unit in rest]
@@ -464,6 +467,13 @@ class StagingBuffers:
             region = arena.region(head[0], tail[0] + tail[1] - head[0])
             out = region.view(entry.dtype).view(-1, *entry.shape[1:])
             self._cat_runs.append((unit_keys[first:end], out))
+        self._gathers = []
+        for first, end in gathers:
+            head, tail = units[first], units[end - 1]
+            region = arena.region(head[0], tail[0] + tail[1] - head[0])
+            self._gathers.append(
+                (unit_keys[first:end], region.view(packed[unit_keys[first]].dtype))
+            )
         self._pack_view = (
             arena.region(0, pack_bytes) if pack_bytes else torch.empty(0, dtype=torch.uint8)
         )
@@ -507,22 +517,37 @@ class StagingBuffers:
             if not layout.on_cpu:
                 host = [i for i, src in enumerate(srcs) if src.device.type == "cpu"]
                 others = [i for i, src in enumerate(srcs) if src.device.type != "cpu"]
-                self._copy_from_devices([(dsts[i], srcs[i]) for i in others])
+                gathers = [([sources[key] for key in keys], out) for keys, out in self._gathers]
+                self._copy_from_devices([(dsts[i], srcs[i]) for i in others], gathers)
                 dsts, srcs = [dsts[i] for i in host], [srcs[i] for i in host]
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
 
-    def _copy_from_devices(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _copy_from_devices(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        gathers: list[tuple[list[torch.Tensor], torch.Tensor]] = [],  # noqa: B006 (not changed)
+    ) -> None:
         """Device-to-host copies: non-blocking on a side stream of each source's device (a
         CUDA copy runs on the current stream of its source's device), each ordered after that
-        device's current stream, then one synchronisation per device."""
+        device's current stream, then one synchronisation per device.
+
+        ``gathers`` are (sources on one CUDA device, host region): the sources are flattened
+        back to back on their device in one call, then copied to the region in one piece,
+        instead of one copy per (small) tensor.
+        """
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        gathers_by_device: dict[torch.device, list[tuple[list[torch.Tensor], torch.Tensor]]] = {}
         other_pairs = []
         for dst, src in pairs:
             if src.device.type == "cuda":
                 by_device.setdefault(src.device, []).append((dst, src))
             else:
                 other_pairs.append((dst, src))
+        for gather in gathers:
+            device = gather[0][0].device
+            by_device.setdefault(device, [])
+            gathers_by_device.setdefault(device, []).append(gather)
         used = []
         # every destination is a region of the arena: pinned exactly when the arena is (asking
         # each with is_pinned() costs a driver call per tensor per save)
@@ -533,6 +558,10 @@ class StagingBuffers:
                 stream = self._streams[device] = torch.cuda.Stream(device=device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):  # (also makes ``device`` the current device)
+                for members, out in gathers_by_device.get(device, ()):
+                    # (a temporary of this stream: the allocator reuses it only in stream order)
+                    flat = torch._C._nn.flatten_dense_tensors(members)
+                    out.copy_(flat, non_blocking=pinned)
                 for dst, src in cuda_pairs:
                     # A lazily conjugated or negated source is copied blocking: a non-blocking
                     # copy applies the conjugation or negation to the host buffer before the
@@ -587,6 +616,27 @@ def _cat_runs(packed: list[PackedTensor], on_cpu: list[bool]) -> list[tuple[int,
             runs.append((first, index))
         first = index
     return runs
+
+
+def _gathers(packed: list[PackedTensor], devices: list[torch.device]) -> list[tuple[int, int]]:
+    """(first, end) indices into ``packed`` (in pack order) of every stretch of two or more
+    tensors back to back, of one dtype, on one CUDA device (``devices``, per entry): flattened
+    on the device and copied to the host in one piece."""
+    stretches: list[tuple[int, int]] = []
+    first = 0
+    for index in range(1, len(packed) + 1):
+        if index < len(packed):
+            before, entry = packed[index - 1], packed[index]
+            if (
+                devices[index] == devices[first]
+                and entry.dtype == before.dtype
+                and entry.offset == before.offset + before.nbytes
+            ):
+                continue
+        if index - first >= 2 and devices[first].type == "cuda":
+            stretches.append((first, index))
+        first = index
+    return stretches
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:

@@ -74,6 +74,9 @@ def _mixed_state(seed: int) -> dict[str, torch.Tensor]:
     state["lazy/conj"] = complex_values.conj()
     state["lazy/neg"] = complex_values.conj().imag
     state["small/conj"] = complex_values[:100].conj()
+    for index in range(3):  # lazily conjugated / negated small tensors of their own: packed
+        state[f"small/conj{index}"] = _random(torch.complex64, (50,), gen).to(DEVICE).conj()
+        state[f"small/neg{index}"] = _random(torch.complex64, (40,), gen).to(DEVICE).conj().imag
     state["on_cpu"] = _random(torch.float32, (1000,), gen)
     return state
 

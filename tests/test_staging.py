@@ -20,12 +20,13 @@ from conftest import in_forked_child
 
 from ckptmgr import CheckpointManager
 from ckptmgr.errors import CheckpointError
-from ckptmgr.packing import PACK_KEY, PackedTensor, any_name
+from ckptmgr.packing import PACK_KEY, PackedTensor, any_name, pack_layout
 from ckptmgr.staging import (
     SHARED_MEMORY_DIR,
     StagingBuffers,
     StagingPool,
     _Arena,
+    _gathers,
     check_shared_memory,
 )
 
@@ -554,6 +555,27 @@ def test_dtensors_laid_out_like_the_plain_tensors_before_them_stay_dtensors(
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
+def test_small_cuda_tensors_are_gathered_by_stretches_of_one_dtype_and_device() -> None:
+    """Which packed tensors staging flattens on their GPU and copies to the host in one piece:
+    stretches of two or more, back to back, of one dtype, on one CUDA device (only device
+    objects are needed for this, no GPU)."""
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    placed = list(
+        pack_layout(
+            {
+                f"t{i}": torch.empty(3, dtype=torch.float32 if i < 9 else torch.int16)
+                for i in range(12)
+            },
+            [f"t{i}" for i in range(12)],
+        ).values()
+    )
+    devices = [gpu0, gpu0, gpu0, cpu, gpu0, gpu1, gpu1, gpu0, cpu, gpu0, gpu0, gpu0]
+    # float32: t0-t2 on gpu0, t3 cpu, t4 alone, t5-t6 on gpu1, t7 alone, t8 cpu;
+    # int16: t9-t11 on gpu0 (a new dtype cuts the stretch even on the same device)
+    assert _gathers(placed, devices) == [(0, 3), (5, 7), (9, 12)]
+    assert _gathers(placed, [cpu] * 12) == []
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
