@@ -940,7 +940,9 @@ def load_tensors(
 
     Damage found while reading (a file that fails its check, metadata that is refused, a tensor
     record that cannot be decoded, a missing file) raises ``CorruptCheckpointError``, whichever
-    rank found it; DCP's own ``CheckpointException`` is unwrapped.
+    rank found it; DCP's own ``CheckpointException`` is unwrapped. A destination that cannot be
+    written to (see :func:`tensor_bytes.check_all_restorable`) raises ``CheckpointError``
+    naming it.
     """
     try:
         dcp.load(
@@ -952,6 +954,7 @@ def load_tensors(
         corrupt = damage_in(exc) or getattr(reader, "metadata_error", None)
         if corrupt is not None:
             raise corrupt from exc
+        tensor_bytes.check_all_restorable(tensors)
         raise
 
 

@@ -17,6 +17,7 @@ import torch
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.packing import PACK_KEY
 from ckptmgr.record import CommitRecord, TensorEntry
+from ckptmgr.tensor_bytes import check_all_restorable
 
 try:
     from torch.distributed.tensor import DTensor
@@ -133,7 +134,7 @@ def split_for_load(
     size = _check_layout(record, runs, wanted_bytes, wanted_count, dtypes)
     buffer = torch.empty(size, dtype=torch.uint8)
     to_load[PACK_KEY] = buffer
-    return to_load, lambda: _unpack(buffer, runs, later)
+    return to_load, lambda: _unpack(buffer, runs, later, destinations)
 
 
 def _later(
@@ -201,22 +202,32 @@ def _check_layout(
     return size
 
 
-def _unpack(buffer: torch.Tensor, runs: list[_Run], later: list[_Later]) -> None:
+def _unpack(
+    buffer: torch.Tensor,
+    runs: list[_Run],
+    later: list[_Later],
+    destinations: Mapping[str, torch.Tensor],
+) -> None:
     """Copy every wanted tensor out of the loaded pack ``buffer``: one call per run (a run on a
     device after one copy of its bytes there), then the pieces that could not be copied into
-    their destinations directly."""
-    with torch.no_grad():  # destinations may be parameters
-        for run in runs:
-            flat = buffer[run.start : run.end].view(run.dtype)
-            if run.device is not None:
-                flat = flat.to(run.device)
-            torch.split_with_sizes_copy(flat, run.sizes, 0, out=run.outs)
-        for dest, piece, shape in later:
-            value = piece.view(shape)
-            if DTensor is not None and isinstance(dest, DTensor):
-                dest.to_local().copy_(_local_part(value, dest))
-            else:
-                dest.copy_(value)
+    their destinations directly. A destination that cannot be written to raises
+    ``CheckpointError`` naming it (its key in ``destinations``)."""
+    try:
+        with torch.no_grad():  # destinations may be parameters
+            for run in runs:
+                flat = buffer[run.start : run.end].view(run.dtype)
+                if run.device is not None:
+                    flat = flat.to(run.device)
+                torch.split_with_sizes_copy(flat, run.sizes, 0, out=run.outs)
+            for dest, piece, shape in later:
+                value = piece.view(shape)
+                if DTensor is not None and isinstance(dest, DTensor):
+                    dest.to_local().copy_(_local_part(value, dest))
+                else:
+                    dest.copy_(value)
+    except Exception:  # (asked only here: a restore costs no check per destination)
+        check_all_restorable(destinations)
+        raise
 
 
 def _local_part(value: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:

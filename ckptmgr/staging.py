@@ -648,11 +648,18 @@ def _storage_id(key: str, tensor: torch.Tensor) -> Hashable:
 
     A lazily conjugated or negated view (``z.conj()``, ``z.conj().imag``) is a group of its own:
     views of a shared region are rebuilt from dtype, shape, strides and offset, which would
-    drop those bits; alone it is copied with ``copy_``, which resolves them.
+    drop those bits; alone it is copied with ``copy_``, which resolves them. So is an efficient
+    zero tensor (``torch._efficientzerotensor``, from forward-mode AD), which has no storage to
+    share: ``copy_`` and ``torch.cat`` write the zeros it stands for.
     """
     if tensor.is_conj() or tensor.is_neg():
         return ("resolved", key)
-    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+    try:
+        return (str(tensor.device), tensor.untyped_storage().data_ptr())
+    except RuntimeError:  # (asked only here: ordinary tensors cost no check)
+        if tensor._is_zerotensor():  # "invalid python storage"
+            return ("resolved", key)
+        raise
 
 
 def _quick_signature(tensors: Mapping[str, torch.Tensor], pack: bool) -> tuple[object, ...]:
@@ -677,19 +684,23 @@ def _is_plain(quick: tuple[object, ...]) -> bool:
 
 def _views_still_share(layout: _Layout, tensors: Mapping[str, torch.Tensor]) -> bool:
     """True when every group of views staged on one shared region still views one storage at
-    the same offsets and strides (what the staged views were rebuilt with)."""
-    for _, members in layout.share_groups:
-        first = tensors[members[0][0]].untyped_storage().data_ptr()
-        for key, storage_offset, stride in members:
-            tensor = tensors[key]
-            if (
-                tensor.untyped_storage().data_ptr() != first
-                or tensor.storage_offset() != storage_offset
-                or tensor.stride() != stride
-                or tensor.is_conj()
-                or tensor.is_neg()
-            ):
-                return False
+    the same offsets and strides (what the staged views were rebuilt with). False too when one
+    of them has no storage now (an efficient zero tensor: the new layout stages it alone)."""
+    try:
+        for _, members in layout.share_groups:
+            first = tensors[members[0][0]].untyped_storage().data_ptr()
+            for key, storage_offset, stride in members:
+                tensor = tensors[key]
+                if (
+                    tensor.untyped_storage().data_ptr() != first
+                    or tensor.storage_offset() != storage_offset
+                    or tensor.stride() != stride
+                    or tensor.is_conj()
+                    or tensor.is_neg()
+                ):
+                    return False
+    except Exception:  # ("invalid python storage"): the full signature says what it is
+        return False
     return True
 
 

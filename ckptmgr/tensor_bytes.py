@@ -39,7 +39,11 @@ _HANDOFF_BYTES = 1 << 20
 def check_storable(name: str, tensor: torch.Tensor) -> None:
     """Raise ``CheckpointError`` when ``tensor`` (stored as ``name``) is of a kind whose bytes
     do not hold its value: sparse (no dense bytes), quantized (the bytes are its integers; the
-    scale and zero point would be lost), meta (no data) or nested (no single dense shape)."""
+    scale and zero point would be lost), meta (no data) or nested (no single dense shape).
+
+    An efficient zero tensor (``torch._efficientzerotensor``, what forward-mode AD makes) is
+    storable although it has no memory: it is stored as zeros of its dtype and shape (see
+    :func:`write_tensor`; staging copies it, which writes the zeros)."""
     if tensor.layout != torch.strided:
         layout = str(tensor.layout).removeprefix("torch.")
         reason = f"a {layout} tensor has no dense bytes (store tensor.to_dense() instead)"
@@ -64,18 +68,41 @@ def check_all_storable(tensors: Mapping[str, torch.Tensor]) -> None:
         check_storable(name, tensor)
 
 
+def check_all_restorable(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise ``CheckpointError`` naming the first of ``tensors`` (name -> destination of a
+    restore) that cannot be written to: an efficient zero tensor, which is immutable. Run where
+    a restore failed, so that the error names the destination rather than torch's internals
+    (asking every destination up front would cost each restore a torch call per tensor)."""
+    for name, tensor in tensors.items():
+        if tensor._is_zerotensor():
+            raise CheckpointError(
+                f"cannot restore into {name!r}: it is an efficient zero tensor (what "
+                f"forward-mode AD makes), which is immutable; restore into an ordinary tensor "
+                f"(tensor.clone() makes one)"
+            )
+
+
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable ``memoryview`` of the bytes of the contiguous CPU ``tensor`` (no copy).
 
     The view does not keep ``tensor`` alive: the caller holds a reference while it is used.
+    Raises :class:`NoMemoryError` for a tensor with elements but no memory (an efficient zero
+    tensor: its address is 0, and reading or writing there would crash the process).
     """
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(bytearray(0))
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError("byte_view needs a contiguous CPU tensor")
-    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    address = tensor.data_ptr()
+    if not address:
+        raise NoMemoryError(f"a tensor of {nbytes} bytes has no memory (its address is 0)")
+    array = (ctypes.c_char * nbytes).from_address(address)
     return memoryview(array).cast("B")
+
+
+class NoMemoryError(ValueError):
+    """:func:`byte_view` of a tensor that has elements but no memory behind them."""
 
 
 def contiguous_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -247,12 +274,20 @@ class StreamSink:
 
 
 def write_tensor(sink: TensorSink, tensor: torch.Tensor) -> tuple[int, int]:
-    """Append ``tensor``'s bytes to ``sink``; returns (offset, length)."""
+    """Append ``tensor``'s bytes to ``sink``; returns (offset, length). An efficient zero tensor
+    (no memory) is written as the zeros it stands for."""
     data = contiguous_cpu(tensor)
     offset = sink.tell()
     nbytes = data.numel() * data.element_size()
     if nbytes:
-        sink.write_piece(byte_view(data), data)
+        try:
+            piece = byte_view(data)
+        except NoMemoryError:  # (asked only here: ordinary tensors cost no check)
+            if not data._is_zerotensor():
+                raise
+            data = torch.zeros(data.shape, dtype=data.dtype)
+            piece = byte_view(data)
+        sink.write_piece(piece, data)
     return offset, nbytes
 
 

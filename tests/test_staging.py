@@ -20,7 +20,7 @@ from conftest import in_forked_child
 
 from ckptmgr import CheckpointManager
 from ckptmgr.errors import CheckpointError
-from ckptmgr.packing import PACK_KEY, PackedTensor, any_name, pack_layout
+from ckptmgr.packing import PACK_KEY, PackedTensor, PackFilter, any_name, pack_layout
 from ckptmgr.staging import (
     SHARED_MEMORY_DIR,
     StagingBuffers,
@@ -443,6 +443,103 @@ def test_round_trip_through_the_manager_with_shape_changes_and_views(tmp_path: P
             target = {k: torch.empty_like(v) for k, v in expected.items()}
             manager.restore(step, target)
             _assert_exact(target, expected)
+
+
+def _zero(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An efficient zero tensor, what forward-mode AD makes: no memory (``data_ptr()`` is 0)."""
+    zero = torch._efficientzerotensor(shape, dtype=dtype)
+    assert zero._is_zerotensor() and zero.data_ptr() == 0
+    return zero
+
+
+def _zeros_state(seed: int) -> dict[str, torch.Tensor]:
+    """Small tensors (packed; one ``torch.cat`` copies the run of the float32 ones) and a big
+    one, with efficient zero tensors among both: in the run, of other dtypes, transposed, a
+    parameter, and big (staged on its own)."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {f"small/{i}": torch.randn(4, generator=generator) for i in range(12)}
+    state["small/5"] = _zero(4)
+    state["zero_int"] = _zero(3, dtype=torch.int64)
+    state["zero_bool"] = _zero(5, dtype=torch.bool)
+    state["zero_bf16_t"] = _zero(3, 5, dtype=torch.bfloat16).t()
+    state["zero_param"] = torch.nn.Parameter(_zero(6))
+    state["big"] = torch.randn(300_000, generator=generator)
+    state["zero_big"] = _zero(300_000)
+    return state
+
+
+def _values(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What ``state`` holds, as ordinary tensors (an efficient zero tensor: its zeros)."""
+    return {
+        key: torch.zeros(value.shape, dtype=value.dtype)
+        if value._is_zerotensor()
+        else value.detach().clone()
+        for key, value in state.items()
+    }
+
+
+def _ones_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Ordinary tensors of ``state``'s shapes and dtypes, all ones (nonzero bytes)."""
+    return {key: torch.ones(value.shape, dtype=value.dtype) for key, value in state.items()}
+
+
+@pytest.mark.parametrize("pack", [None, any_name], ids=["unpacked", "packed"])
+def test_efficient_zero_tensors_are_staged_as_zeros(pack: PackFilter | None) -> None:
+    """An efficient zero tensor (forward-mode AD's; no storage) failed save_async's staging
+    with torch's "Attempted to access the data pointer on an invalid python storage" (the
+    layout signature groups tensors by storage address). It is staged as the zeros it stands
+    for, into an ordinary tensor: over memory that held ones, under a reused layout, in a run
+    copied by one ``torch.cat``, on its own when big, in place of a view of a shared storage,
+    and the other way round."""
+    buffers = StagingBuffers()
+    state = _zeros_state(0)
+
+    def staged(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = buffers.stage(tensors, pack=pack)
+        result = _unpacked(out, buffers.packed) if PACK_KEY in out else out
+        assert not any(value._is_zerotensor() for value in result.values())
+        return result
+
+    _assert_exact(staged(_ones_like(state)), _ones_like(state))  # the arena holds ones
+    _assert_exact(staged(state), _values(state))  # one layout: zeros over the ones
+    if pack is not None:
+        runs = [keys for keys, _ in buffers._cat_runs]  # internal: the runs it found
+        assert any("small/5" in keys for keys in runs)
+    _assert_exact(staged(state), _values(state))  # the layout's quick path
+    _assert_exact(staged(_ones_like(state)), _ones_like(state))  # and back
+    fresh = StagingBuffers()  # a first save
+    _assert_exact(fresh.stage(state), _values(state))
+    base = torch.arange(1.0, 9.0)
+    _assert_exact(staged({"a": base[:4], "b": base[4:]}), {"a": base[:4], "b": base[4:]})
+    tied_gone = {"a": _zero(4), "b": base[4:]}  # same quick signature, no storage to share
+    _assert_exact(staged(tied_gone), _values(tied_gone))
+    _assert_exact(staged({"a": base[:4], "b": base[4:]}), {"a": base[:4], "b": base[4:]})
+
+
+@pytest.mark.parametrize(
+    ("call", "mode"),
+    [("save", "thread"), ("save_async", "thread"), ("save_async", "process")],
+    ids=["save", "save_async", "save_async_process"],
+)
+def test_efficient_zero_tensors_round_trip_as_zeros_through_the_manager(
+    tmp_path: Path, call: str, mode: str
+) -> None:
+    """save_async (both modes) raised torch's RuntimeError on an efficient zero tensor, and
+    save failed with "OSError: [Errno 14] Bad address" on one not packed (it wrote the bytes
+    at address 0). Both store its zeros, restored bit-exact into ordinary tensors: alone,
+    among others, on a first save and on later saves of one layout, and after zeros became
+    ordinary tensors under one layout."""
+    alone = {"z": _zero(8)}
+    states = [alone, alone, _zeros_state(0), _zeros_state(1), _ones_like(_zeros_state(2))]
+    states.append(_zeros_state(3))
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False, async_mode=mode) as manager:
+        for step, state in enumerate(states):
+            assert getattr(manager, call)(step, state)
+        manager.join()
+        for step, state in enumerate(states):
+            target = _ones_like(state)
+            manager.restore(step, target)
+            _assert_exact(target, _values(state))
 
 
 def test_process_mode_arena_larger_than_free_shared_memory_is_refused(tmp_path: Path) -> None:

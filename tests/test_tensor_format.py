@@ -14,6 +14,7 @@ Everything is real: the local disk, DCP, torch's optimizers. States are filled w
 from __future__ import annotations
 
 import copy
+import io
 import json
 import pickle
 import shutil
@@ -26,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import in_forked_child
 from torch import nn
 
 from ckptmgr import (
@@ -623,6 +625,47 @@ def test_lazily_conjugated_and_negated_destinations_get_the_stored_values(
     assert torch.equal(targets["c"].resolve_conj(), stored["c"])
     assert torch.equal(targets["r"].resolve_neg(), stored["r"])
     assert torch.equal(other, stored["other"])
+
+
+@pytest.mark.parametrize("key", ["packed_key_under_test", "big"], ids=["packed", "alone"])
+def test_an_efficient_zero_tensor_destination_is_refused_by_name(tmp_path: Path, key: str) -> None:
+    """An efficient zero tensor (what forward-mode AD makes) is immutable and has no memory:
+    restoring into one failed with torch's "ZeroTensors are immutable" (packed) or DCP's
+    "Bad address" from reading into address 0 (alone), naming no key. It raises
+    CheckpointError naming the key (the checkpoint is not called damaged), and the same step
+    then restores into an ordinary tensor."""
+    saved = packed_state()
+    with manager(tmp_path) as mgr:
+        assert mgr.save(1, saved)
+        target = zeros_like_state(saved)
+        target[key] = torch._efficientzerotensor(saved[key].shape)
+        with pytest.raises(CheckpointError) as caught:
+            mgr.restore(1, target)
+        assert f"cannot restore into '{key}': it is an efficient zero tensor" in str(caught.value)
+        assert not isinstance(caught.value, CorruptCheckpointError)  # the checkpoint is fine
+        target[key] = torch.ones(saved[key].shape)
+        mgr.restore(1, target)
+    assert_bit_equal(target, saved)
+
+
+def test_bytes_of_an_efficient_zero_tensor_are_written_as_zeros_and_never_read_at_0() -> None:
+    """A tensor with no memory (an efficient zero tensor: ``data_ptr()`` is 0) had its bytes
+    read from address 0 when written to a stream, and a stream read into it there: both
+    crashed the process (SIGSEGV). Its zeros are written; a read into it raises."""
+
+    def work() -> bytes:
+        zero = torch._efficientzerotensor(1000, dtype=torch.float64)
+        stream = io.BytesIO()
+        assert tensor_bytes.write_tensor(tensor_bytes.StreamSink(stream), zero) == (0, 8000)
+        written = stream.getvalue() == bytes(8000)
+        source = tensor_bytes.StreamSource(io.BytesIO(b"\x01" * 8000), "data")
+        try:
+            tensor_bytes.read_chunk(source, 0, 8000, torch.float64, (1000,), zero)
+        except ValueError:
+            return b"zeros written, read refused" if written else b"wrong bytes written"
+        return b"read into a tensor with no memory"
+
+    assert in_forked_child(work) == b"zeros written, read refused"
 
 
 def test_a_key_missing_from_the_checkpoint_is_refused(tmp_path: Path) -> None:
