@@ -133,6 +133,8 @@ def _delay() -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_every_kind_of_tensor_round_trips_bit_exact(tmp_path: Path, mode: str) -> None:
     state = _mixed_state(0)
+    for name, size in (("zero/small", 10), ("zero/small2", 20), ("zero/big", 300_000)):
+        state[name] = torch._efficientzerotensor(size, device=DEVICE)  # forward-mode AD's
     expected = _snapshot(state)
     with _manager(tmp_path, mode) as manager:
         _save(manager, mode, 1, state)
