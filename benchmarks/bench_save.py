@@ -732,7 +732,22 @@ def main() -> None:
         f"torch {torch.__version__}; {os.cpu_count()} CPUs; {platform.platform()}; "
         f"loadavg at start {os.getloadavg()}"
     )
-    results = []
+    results: list[dict[str, Any]] = []
+
+    def write_json() -> None:
+        # after each workload too: a run cut short (a time limit) keeps the workloads it finished
+        if args.json:
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "machine": machine,
+                        "args": {k: str(v) for k, v in vars(args).items()},
+                        "results": results,
+                    },
+                    indent=1,
+                )
+            )
+
     try:
         for name in args.workloads.split(","):
             scratch = scratch_root / name
@@ -753,6 +768,7 @@ def main() -> None:
             if name != "a":
                 run_args.leak_saves = 0
             results.append(run_workload(work, run_args, scratch))
+            write_json()
             shutil.rmtree(scratch, ignore_errors=True)
             del work
     finally:
@@ -760,17 +776,7 @@ def main() -> None:
     print(f"\n{machine}; loadavg at end {os.getloadavg()}")
     for summary in results:
         print(report(summary))
-    if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "machine": machine,
-                    "args": {k: str(v) for k, v in vars(args).items()},
-                    "results": results,
-                },
-                indent=1,
-            )
-        )
+    write_json()
 
 
 if __name__ == "__main__":
