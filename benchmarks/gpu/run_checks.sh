@@ -300,6 +300,7 @@ else
     ab_args=(--repeats 2)
     c_args=(--small-repeats 3)
 fi
+export CKPTMGR_TEST_DEVICE="$DEVICE"  # tests/test_cuda.py runs on the CPU in a rehearsal
 
 # --timeout (pytest-timeout, when there): a hung test fails, and the next one runs.
 pytest_timeout=()
