@@ -127,16 +127,34 @@ def pack(
     return stored, placed
 
 
+FLATTEN_MAX_DEVICE_BYTES = 32 * 2**20
+"""The most bytes of small device tensors flattened on their device in one piece before the
+copy to the host (a temporary there: device memory may be nearly all in use)."""
+
+
 def _flatten_on_host(members: list[torch.Tensor]) -> torch.Tensor:
     """``members`` (of one dtype) flattened back to back into one CPU tensor: each stretch of
-    members on one device in one call there, then copied to the host in one piece."""
+    members on one device (up to ``FLATTEN_MAX_DEVICE_BYTES``) in one call there, then copied to
+    the host in one piece."""
+    if all(member.is_cpu for member in members):
+        return _flatten_dense_tensors(members)
     parts: list[torch.Tensor] = []
     start = 0
-    for end in range(1, len(members) + 1):
-        if end == len(members) or members[end].device != members[start].device:
-            parts.append(_flatten_dense_tensors(members[start:end]).cpu())
-            start = end
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    stretch_bytes = 0
+    for end in range(len(members) + 1):
+        if end < len(members):
+            member = members[end]
+            nbytes = member.numel() * member.element_size()
+            if end == start or (
+                member.device == members[start].device
+                and (member.is_cpu or stretch_bytes + nbytes <= FLATTEN_MAX_DEVICE_BYTES)
+            ):
+                stretch_bytes += nbytes
+                continue
+        parts.append(_flatten_dense_tensors(members[start:end]).cpu())
+        start = end
+        stretch_bytes = nbytes if end < len(members) else 0
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def pack_layout(
@@ -144,16 +162,24 @@ def pack_layout(
 ) -> dict[str, PackedTensor]:
     """Where each of ``keys`` lies in a pack, in pack order: grouped by dtype, groups in
     decreasing item size, back to back (so every offset is a multiple of its item size, with no
-    padding). Empty when there are fewer than ``PACK_MIN_TENSORS`` keys: nothing is packed."""
-    groups: dict[torch.dtype, list[str]] = {}
+    padding); within a group the CPU tensors first, then the others, each in ``keys``' order, so
+    that a device's tensors of one dtype lie together (an optimizer's CPU ``step`` scalars would
+    otherwise cut its moments on the GPU into pairs). Empty when there are fewer than
+    ``PACK_MIN_TENSORS`` keys: nothing is packed."""
+    groups: dict[torch.dtype, tuple[list[str], list[str]]] = {}
+    count = 0
     for key in keys:
-        groups.setdefault(tensors[key].dtype, []).append(key)
-    if sum(len(group) for group in groups.values()) < PACK_MIN_TENSORS:
+        tensor = tensors[key]
+        on_cpu, elsewhere = groups.setdefault(tensor.dtype, ([], []))
+        (on_cpu if tensor.is_cpu else elsewhere).append(key)
+        count += 1
+    if count < PACK_MIN_TENSORS:
         return {}
     placed: dict[str, PackedTensor] = {}
     offset = 0
     for dtype in sorted(groups, key=lambda d: -d.itemsize):
-        for key in groups[dtype]:
+        on_cpu, elsewhere = groups[dtype]
+        for key in on_cpu + elsewhere if elsewhere else on_cpu:
             entry = PackedTensor(offset, dtype, tuple(tensors[key].shape))
             placed[key] = entry
             offset += entry.nbytes

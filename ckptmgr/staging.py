@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ckptmgr import packing
 from ckptmgr.errors import CheckpointError
 from ckptmgr.packing import (
     PACK_KEY,
@@ -453,7 +454,11 @@ class StagingBuffers:
         runs = _cat_runs(
             list(packed.values()), [sources[key].device.type == "cpu" for key in packed]
         )
-        gathers = _gathers(list(packed.values()), [sources[key].device for key in packed])
+        gathers = _gathers(
+            list(packed.values()),
+            [sources[key].device for key in packed],
+            packing.FLATTEN_MAX_DEVICE_BYTES,
+        )
         in_runs = {unit for first, end in runs + gathers for unit in range(first, end)}
         rest = [unit for unit in range(len(units)) if unit not in in_runs]
         position = {unit: index for index, unit in enumerate(rest)}
@@ -618,12 +623,16 @@ def _cat_runs(packed: list[PackedTensor], on_cpu: list[bool]) -> list[tuple[int,
     return runs
 
 
-def _gathers(packed: list[PackedTensor], devices: list[torch.device]) -> list[tuple[int, int]]:
+def _gathers(
+    packed: list[PackedTensor], devices: list[torch.device], max_bytes: int
+) -> list[tuple[int, int]]:
     """(first, end) indices into ``packed`` (in pack order) of every stretch of two or more
-    tensors back to back, of one dtype, on one CUDA device (``devices``, per entry): flattened
-    on the device and copied to the host in one piece."""
+    tensors back to back, of one dtype, on one CUDA device (``devices``, per entry), of at most
+    ``max_bytes`` together (or one tensor): flattened on the device and copied to the host in
+    one piece."""
     stretches: list[tuple[int, int]] = []
     first = 0
+    nbytes = packed[0].nbytes if packed else 0
     for index in range(1, len(packed) + 1):
         if index < len(packed):
             before, entry = packed[index - 1], packed[index]
@@ -631,8 +640,11 @@ def _gathers(packed: list[PackedTensor], devices: list[torch.device]) -> list[tu
                 devices[index] == devices[first]
                 and entry.dtype == before.dtype
                 and entry.offset == before.offset + before.nbytes
+                and nbytes + entry.nbytes <= max_bytes
             ):
+                nbytes += entry.nbytes
                 continue
+            nbytes = entry.nbytes
         if index - first >= 2 and devices[first].type == "cuda":
             stretches.append((first, index))
         first = index

@@ -671,8 +671,11 @@ def test_small_cuda_tensors_are_gathered_by_stretches_of_one_dtype_and_device() 
     devices = [gpu0, gpu0, gpu0, cpu, gpu0, gpu1, gpu1, gpu0, cpu, gpu0, gpu0, gpu0]
     # float32: t0-t2 on gpu0, t3 cpu, t4 alone, t5-t6 on gpu1, t7 alone, t8 cpu;
     # int16: t9-t11 on gpu0 (a new dtype cuts the stretch even on the same device)
-    assert _gathers(placed, devices) == [(0, 3), (5, 7), (9, 12)]
-    assert _gathers(placed, [cpu] * 12) == []
+    assert _gathers(placed, devices, 2**20) == [(0, 3), (5, 7), (9, 12)]
+    assert _gathers(placed, [cpu] * 12, 2**20) == []
+    # at most 2 float32 tensors of 3 (24 bytes) per piece: t0-t1, then t2 alone (not gathered)
+    assert _gathers(placed, devices, 24) == [(0, 2), (5, 7), (9, 12)]
+    assert _gathers(placed, [gpu0] * 12, 0) == []  # (each tensor alone: copied as it is)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
