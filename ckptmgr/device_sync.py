@@ -24,3 +24,16 @@ def wait_for_queued_work(tensors: Iterable[torch.Tensor]) -> None:
     for device in devices:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
+
+
+def wait_for_devices(tensors: Iterable[torch.Tensor]) -> None:
+    """Block until all work queued so far on every stream of every CUDA device that holds one
+    of ``tensors`` is done. A restore calls it before it writes into its destinations (the
+    caller's work still pending on them, on any stream, would overwrite what is read) and after
+    (DCP's reader threads copy on streams of their own; the caller's next work, on any stream,
+    then sees the restored values). Costs nothing when CUDA was never used in this process."""
+    if not torch.cuda.is_initialized():
+        return
+    for device in {tensor.device for tensor in tensors}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)

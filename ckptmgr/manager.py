@@ -24,7 +24,7 @@ from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter, FailureHandover
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
-from ckptmgr.device_sync import wait_for_queued_work
+from ckptmgr.device_sync import wait_for_devices, wait_for_queued_work
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptmgr.gc_pause import gc_paused
 from ckptmgr.integrity import expected_files, raise_problems
@@ -1014,6 +1014,7 @@ class CheckpointManager:
         assert plan is not None and reader is not None
         load_error: Exception | None = None
         try:
+            wait_for_devices(plan.tensors.values())  # the caller's pending work on them
             if to_load or self._comm.distributed:  # collective: also a rank with nothing to load
                 _load(step, to_load, reader, group)
             try:
@@ -1022,6 +1023,7 @@ class CheckpointManager:
                 if isinstance(exc, CheckpointError):
                     raise
                 raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
+            wait_for_devices(plan.tensors.values())  # copies made on other threads' streams
             plan.finish()  # plain values; objects' own load_state_dict (its error as raised)
         except Exception as exc:
             load_error = exc

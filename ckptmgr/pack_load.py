@@ -208,17 +208,20 @@ def _unpack(
     later: list[_Later],
     destinations: Mapping[str, torch.Tensor],
 ) -> None:
-    """Copy every wanted tensor out of the loaded pack ``buffer``: one call per run (a run on a
-    device after one copy of its bytes there), then the pieces that could not be copied into
-    their destinations directly. A destination that cannot be written to raises
-    ``CheckpointError`` naming it (its key in ``destinations``)."""
+    """Copy every wanted tensor out of the loaded pack ``buffer``: one call per run (for the
+    runs on a device, after one copy there of the bytes they span), then the pieces that could
+    not be copied into their destinations directly. A destination that cannot be written to
+    raises ``CheckpointError`` naming it (its key in ``destinations``)."""
     try:
         with torch.no_grad():  # destinations may be parameters
+            on_devices = _copies_on_devices(buffer, runs)
             for run in runs:
-                flat = buffer[run.start : run.end].view(run.dtype)
-                if run.device is not None:
-                    flat = flat.to(run.device)
-                torch.split_with_sizes_copy(flat, run.sizes, 0, out=run.outs)
+                if run.device is None:
+                    flat = buffer[run.start : run.end]
+                else:
+                    start, there = on_devices[run.device]
+                    flat = there[run.start - start : run.end - start]
+                torch.split_with_sizes_copy(flat.view(run.dtype), run.sizes, 0, out=run.outs)
             for dest, piece, shape in later:
                 value = piece.view(shape)
                 if DTensor is not None and isinstance(dest, DTensor):
@@ -228,6 +231,27 @@ def _unpack(
     except Exception:  # (asked only here: a restore costs no check per destination)
         check_all_restorable(destinations)
         raise
+
+
+def _copies_on_devices(
+    buffer: torch.Tensor, runs: list[_Run]
+) -> dict[torch.device, tuple[int, torch.Tensor]]:
+    """For each device that runs are on: (the first byte, the pack's bytes from there to the end
+    of its last run, copied to the device in one piece). One copy per device, not per run: a
+    restore into a layout other than the saved one (a CPU ``step`` scalar between each pair of
+    GPU moments, say) would otherwise cut it into many small copies. The first byte is a
+    multiple of 16, so every run keeps its items aligned there."""
+    spans: dict[torch.device, list[int]] = {}
+    for run in runs:
+        if run.device is not None:
+            span = spans.setdefault(run.device, [run.start, run.end])
+            span[0] = min(span[0], run.start)
+            span[1] = max(span[1], run.end)
+    copies = {}
+    for device, (start, end) in spans.items():
+        start -= start % 16
+        copies[device] = (start, buffer[start:end].to(device))
+    return copies
 
 
 def _local_part(value: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
