@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckptmgr import CheckpointManager
+from ckptmgr import CheckpointManager, packing
 
 DEVICE = os.environ.get("CKPTMGR_TEST_DEVICE", "cuda")
 ON_CUDA = DEVICE == "cuda"
@@ -82,11 +82,15 @@ def _mixed_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _fresh_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Zeroed plain destinations on each tensor's own device."""
-    return {
-        key: torch.zeros(value.shape, dtype=value.dtype, device=value.device)
-        for key, value in state.items()
-    }
+    """Plain destinations on each tensor's own device, every byte 0xFF (so that a value the
+    restore does not write, zeros included, shows)."""
+    fresh = {}
+    for key, value in state.items():
+        tensor = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+        if tensor.numel():
+            tensor.reshape(-1).view(torch.uint8).fill_(255)
+        fresh[key] = tensor
+    return fresh
 
 
 def _snapshot(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -246,7 +250,7 @@ def test_layout_changes_between_saves(tmp_path: Path) -> None:
     third = {key: value.clone() for key, value in first.items()}
     third["a"] = _random(torch.float32, (1000,), gen).to(DEVICE)
     states = {1: first, 2: second, 3: third}
-    with _manager(tmp_path, "thread", max_pending_async=2) as manager:
+    with _manager(tmp_path, "thread", max_pending_async=1) as manager:  # one slot: relayouts
         for step, state in states.items():
             assert manager.save_async(step, state)
         manager.join()
@@ -332,3 +336,68 @@ def test_restore_into_parameters_views_and_another_dtype(tmp_path: Path) -> None
         else:
             assert torch.equal(_bits(got), _bits(value)), key
     assert isinstance(target["p/0"], nn.Parameter) and target["p/0"].requires_grad
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_small_device_tensors_flattened_in_bounded_pieces(
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small device tensors are flattened on their device in pieces of at most
+    FLATTEN_MAX_DEVICE_BYTES (a temporary there) before their copy to the host; with a tiny
+    bound the pieces are many, cut at every bound, and the values still round-trip."""
+    monkeypatch.setattr(packing, "FLATTEN_MAX_DEVICE_BYTES", 3_000)
+    gen = torch.Generator().manual_seed(5)
+    state = {f"t/{i}": _random(torch.float32, (100 + i,), gen).to(DEVICE) for i in range(60)}
+    state.update({f"h/{i}": _random(torch.float16, (7,), gen).to(DEVICE) for i in range(9)})
+    with _manager(tmp_path, mode) as manager:
+        for step in (1, 2):
+            _save(manager, mode, step, state)
+        manager.join()
+        for step in (1, 2):
+            target = _fresh_like(state)
+            manager.restore(step, target)
+            _assert_exact(target, state)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="on the CPU every tensor is a CPU tensor")
+def test_an_optimizers_cpu_step_scalars_do_not_split_its_device_tensors_in_the_pack(
+    tmp_path: Path,
+) -> None:
+    """AdamW keeps ``step`` as a float32 scalar on the CPU beside float32 moments on the GPU:
+    the pack puts a dtype's CPU tensors first, so the device ones lie together (one gather at
+    save, one copy to the device at restore)."""
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)]).to(DEVICE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 16, device=DEVICE)).sum().backward()
+    optimizer.step()
+    with _manager(tmp_path, "thread") as manager:
+        assert manager.save_async(1, {"model": model, "optim": optimizer})
+        manager.join()
+        record = manager._storage.read_record(1)  # internal: the commit record
+    steps = [offset for name, offset in record.packed.items() if name.endswith("step")]
+    moments = [offset for name, offset in record.packed.items() if "exp_avg" in name]
+    assert len(steps) == 16 and len(moments) == 32
+    assert max(steps) < min(moments)
+
+
+def test_restore_waits_for_work_pending_on_its_destinations(tmp_path: Path) -> None:
+    """Restore called inside the caller's own stream, with work still pending on the
+    destinations there: that work is done before the stored values are written (by reader
+    threads on their own streams too, with two data files), and the values are there when
+    restore returns."""
+    gen = torch.Generator().manual_seed(6)
+    state = {
+        "big/a": _random(torch.float32, (2 * 2**20,), gen).to(DEVICE),
+        "big/b": _random(torch.float32, (2 * 2**20,), gen).to(DEVICE),
+        **{f"small/{i}": _random(torch.float32, (64,), gen).to(DEVICE) for i in range(20)},
+    }
+    with _manager(tmp_path, "save", num_of_threads=2) as manager:
+        assert manager.save(1, state)
+        target = _fresh_like(state)
+        with _side_stream():
+            _delay()
+            for value in target.values():
+                value.fill_(5.0)  # pending behind the delay when restore starts
+            manager.restore(1, target)
+            restored = {key: value.clone() for key, value in target.items()}  # same stream
+    _assert_exact(restored, state)
