@@ -28,12 +28,12 @@ def wait_for_queued_work(tensors: Iterable[torch.Tensor]) -> None:
 
 def wait_for_devices(tensors: Iterable[torch.Tensor]) -> None:
     """Block until all work queued so far on every stream of every CUDA device that holds one
-    of ``tensors`` is done. A restore calls it before it writes into its destinations (the
-    caller's work still pending on them, on any stream, would overwrite what is read) and after
-    (DCP's reader threads copy on streams of their own; the caller's next work, on any stream,
-    then sees the restored values). Costs nothing when CUDA was never used in this process."""
+    of ``tensors`` is done. A restore calls it before it writes into its destinations: the
+    caller's work still pending on them, on any stream, would otherwise overwrite what is read
+    (DCP's reader threads copy on streams of their own). Costs nothing when CUDA was never used
+    in this process."""
     if not torch.cuda.is_initialized():
         return
-    for device in {tensor.device for tensor in tensors}:
+    for device in {tensor.device for tensor in tensors if not tensor.is_cpu}:
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -553,8 +553,9 @@ class CheckpointManager:
             return True
         if self._pack_filter is not None:
             log.warning(
-                "the ranks hold different sets of small shared tensors; they are no longer "
-                "packed into one item (each is stored on its own, as DCP does)"
+                "the ranks hold different sets of small shared tensors (or hold them on "
+                "different devices); they are no longer packed into one item (each is stored "
+                "on its own, as DCP does)"
             )
         self._pack_filter = None
         return False
@@ -993,6 +994,9 @@ class CheckpointManager:
                 state_dict, record.tensors, saved_objects, self._comm.rank, objects_rank
             )
             to_load, unpack = pack_load.split_for_load(plan.tensors, record)
+            # Work the caller still has queued on the destinations (on any stream) ends before
+            # anything is written into them; here, so that a failure is agreed on like others.
+            wait_for_devices(plan.tensors.values())
             reader = dcp_io.make_reader(
                 self._storage.url_for(self._storage.step_path(step)),
                 local=self._storage.is_local,
@@ -1014,7 +1018,6 @@ class CheckpointManager:
         assert plan is not None and reader is not None
         load_error: Exception | None = None
         try:
-            wait_for_devices(plan.tensors.values())  # the caller's pending work on them
             if to_load or self._comm.distributed:  # collective: also a rank with nothing to load
                 _load(step, to_load, reader, group)
             try:
@@ -1023,7 +1026,6 @@ class CheckpointManager:
                 if isinstance(exc, CheckpointError):
                     raise
                 raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
-            wait_for_devices(plan.tensors.values())  # copies made on other threads' streams
             plan.finish()  # plain values; objects' own load_state_dict (its error as raised)
         except Exception as exc:
             load_error = exc

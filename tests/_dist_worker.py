@@ -535,6 +535,44 @@ def scenario_mismatch(rank: int, ckpt_dir: str) -> dict[str, Any]:
     return record
 
 
+def scenario_device_wait_fails(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """Rank 1's wait for the destinations' devices fails (fault injection: the CUDA call it
+    makes raises, as after a sticky CUDA error): restore fails on both ranks at once, rank 0
+    naming rank 1's error, instead of rank 0 waiting in DCP's load until the collective timeout;
+    then both restore."""
+    import time
+
+    import torch
+
+    import ckptmgr.manager as manager_module
+    from ckptmgr import CheckpointManager
+
+    state = {f"w/{i}": torch.full((64,), float(i)) for i in range(10)}
+    state["big"] = torch.arange(100_000.0)
+    record: dict[str, Any] = {}
+    with CheckpointManager(
+        ckpt_dir, 1, collective_timeout_s=COLLECTIVE_TIMEOUT_S, chkpt_on_preemption=False
+    ) as manager:
+        assert manager.save(1, state)
+        real_wait = manager_module.wait_for_devices
+        if rank == 1:
+
+            def failing_wait(tensors: Any) -> None:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+            manager_module.wait_for_devices = failing_wait
+        started = time.monotonic()
+        _, record["failure"] = _call(
+            lambda: manager.restore(1, {k: torch.zeros_like(v) for k, v in state.items()})
+        )
+        record["seconds"] = time.monotonic() - started
+        manager_module.wait_for_devices = real_wait
+        fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+        _, record["retry_error"] = _call(lambda: manager.restore(1, fresh))
+        record["difference"] = first_difference(fresh, state)
+    return record
+
+
 def scenario_diverge(rank: int, ckpt_dir: str) -> dict[str, Any]:
     """Saves that go wrong on one rank only: rank 1's copy of step 1 fails (``save_async``), then
     the ranks call ``save`` with different steps (3 on rank 0, 4 on rank 1). Each must fail on
@@ -711,6 +749,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_mismatch(rank, *paths))
         elif scenario == "diverge":
             record.update(scenario_diverge(rank, *paths))
+        elif scenario == "device_wait_fails":
+            record.update(scenario_device_wait_fails(rank, *paths))
         elif scenario == "learned":
             record.update(scenario_learned(rank, *paths))
         elif scenario == "raising_policy":

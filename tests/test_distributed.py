@@ -370,6 +370,26 @@ def test_ranks_whose_small_tensors_differ_store_them_unpacked(dirs: dict[str, Pa
         assert record["differences"] == [None, None, None], f"rank {rank}"
 
 
+def test_a_failed_wait_for_the_devices_on_one_rank_fails_restore_on_both_at_once(
+    dirs: dict[str, Path],
+) -> None:
+    """restore's wait for the destinations' devices runs before the ranks agree to load: a
+    failure there on rank 1 is raised on both ranks well within the collective timeout (30 s),
+    not after rank 0 waited for rank 1 inside DCP's load; the next restore works."""
+    launch = _torchrun("device_wait_fails", dirs["out"], dirs["ckpt"].parent / "device_wait")
+    records = launch.checked_records(NPROC)
+    for rank, record in records.items():
+        failure = record["failure"]
+        assert failure is not None, f"rank {rank}"
+        if rank == 1:
+            assert "illegal memory access" in failure["message"], failure
+        else:
+            assert failure["is_checkpoint_error"], failure
+            assert "rank 1" in failure["message"] and "illegal memory" in failure["message"]
+        assert record["seconds"] < 10, f"rank {rank}: {record['seconds']:.1f} s"
+        assert record["retry_error"] is None and record["difference"] is None, f"rank {rank}"
+
+
 def test_a_save_that_fails_on_one_rank_fails_on_both_and_they_stay_in_step(
     dirs: dict[str, Path],
 ) -> None:
