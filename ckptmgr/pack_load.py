@@ -30,15 +30,17 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 class _Run:
     """Tensors back to back in the pack, of one dtype, on one device (None: the CPU): copied
-    out in one call."""
+    out in one call (on a device, from ``on_device``: the first byte of a copy of the pack's
+    bytes there, and that copy)."""
 
-    __slots__ = ("device", "dtype", "end", "outs", "sizes", "start")
+    __slots__ = ("device", "dtype", "end", "on_device", "outs", "sizes", "start")
 
     def __init__(self, start: int, dtype: torch.dtype, device: torch.device | None) -> None:
         self.start = start
         self.end = start
         self.dtype = dtype
         self.device = device
+        self.on_device: tuple[int, torch.Tensor] | None = None
         self.outs: list[torch.Tensor] = []
         self.sizes: list[int] = []
 
@@ -73,7 +75,7 @@ def split_for_load(
     later: list[_Later] = []
     tensors = record.tensors
     dtypes: dict[str, _StoredDtype] = {}
-    run = _Run(-1, torch.uint8, None)
+    open_runs: dict[torch.device | None, _Run] = {}  # per device, its latest run
     wanted_bytes = wanted_count = 0
     # Every torch call below costs 0.1-0.3 µs, and there are tens of thousands of tensors: the
     # loop makes as few as its checks need (no numel(), which the stored shape gives, and no
@@ -120,8 +122,11 @@ def split_for_load(
                 out = _later(dest, dtype, shape, numel, later)
         else:
             out = _later(dest, dtype, shape, numel, later)
-        if offset != run.end or dtype is not run.dtype or device != run.device:
-            run = _Run(offset, dtype, device)
+        # A run per device (so CPU tensors between GPU ones, an optimizer's step scalars say,
+        # do not cut the GPU's run); within a device, destinations are written in key order.
+        run = open_runs.get(device)
+        if run is None or offset != run.end or dtype is not run.dtype:
+            run = open_runs[device] = _Run(offset, dtype, device)
             runs.append(run)
         run.outs.append(out)
         run.sizes.append(numel)
@@ -214,12 +219,12 @@ def _unpack(
     raises ``CheckpointError`` naming it (its key in ``destinations``)."""
     try:
         with torch.no_grad():  # destinations may be parameters
-            on_devices = _copies_on_devices(buffer, runs)
+            _copy_to_devices(buffer, runs)
             for run in runs:
-                if run.device is None:
+                if run.on_device is None:
                     flat = buffer[run.start : run.end]
                 else:
-                    start, there = on_devices[run.device]
+                    start, there = run.on_device
                     flat = there[run.start - start : run.end - start]
                 torch.split_with_sizes_copy(flat.view(run.dtype), run.sizes, 0, out=run.outs)
             for dest, piece, shape in later:
@@ -233,25 +238,40 @@ def _unpack(
         raise
 
 
-def _copies_on_devices(
-    buffer: torch.Tensor, runs: list[_Run]
-) -> dict[torch.device, tuple[int, torch.Tensor]]:
-    """For each device that runs are on: (the first byte, the pack's bytes from there to the end
-    of its last run, copied to the device in one piece). One copy per device, not per run: a
-    restore into a layout other than the saved one (a CPU ``step`` scalar between each pair of
-    GPU moments, say) would otherwise cut it into many small copies. The first byte is a
-    multiple of 16, so every run keeps its items aligned there."""
-    spans: dict[torch.device, list[int]] = {}
+_DEVICE_COPY_GAP_BYTES = 64 * 1024
+"""Runs of one device closer than this (or than the bytes already gathered) share one copy."""
+
+
+def _copy_to_devices(buffer: torch.Tensor, runs: list[_Run]) -> None:
+    """Copy the pack's bytes that the runs on each device need to that device, in few pieces:
+    one per stretch of runs whose gaps are at most ``_DEVICE_COPY_GAP_BYTES`` or the bytes the
+    stretch already holds (a restore into a layout other than the saved one would otherwise
+    make a copy per run; a single copy of a device's whole span could carry much of the pack
+    for a few bytes). Sets each such run's ``on_device``. A piece starts at a multiple of 16
+    bytes, so every run keeps its items aligned there."""
+    by_device: dict[torch.device, list[_Run]] = {}
     for run in runs:
         if run.device is not None:
-            span = spans.setdefault(run.device, [run.start, run.end])
-            span[0] = min(span[0], run.start)
-            span[1] = max(span[1], run.end)
-    copies = {}
-    for device, (start, end) in spans.items():
-        start -= start % 16
-        copies[device] = (start, buffer[start:end].to(device))
-    return copies
+            by_device.setdefault(run.device, []).append(run)
+    for device, device_runs in by_device.items():
+        device_runs.sort(key=lambda run: run.start)
+        piece: list[_Run] = []
+        end = held = 0
+        for run in [*device_runs, None]:
+            if run is not None and piece and run.start - end <= max(_DEVICE_COPY_GAP_BYTES, held):
+                piece.append(run)
+                end = max(end, run.end)
+                held += run.end - run.start
+                continue
+            if piece:
+                start = piece[0].start - piece[0].start % 16
+                there = buffer[start:end].to(device)
+                for member in piece:
+                    member.on_device = (start, there)
+            if run is not None:
+                piece = [run]
+                end = run.end
+                held = run.end - run.start
 
 
 def _local_part(value: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:

@@ -162,7 +162,7 @@ def pack_layout(
 ) -> dict[str, PackedTensor]:
     """Where each of ``keys`` lies in a pack, in pack order: grouped by dtype, groups in
     decreasing item size, back to back (so every offset is a multiple of its item size, with no
-    padding); within a group the CPU tensors first, then the others, each in ``keys``' order, so
+    padding); within a group the CPU tensors first, then each device's, in ``keys``' order, so
     that a device's tensors of one dtype lie together (an optimizer's CPU ``step`` scalars would
     otherwise cut its moments on the GPU into pairs). Empty when there are fewer than
     ``PACK_MIN_TENSORS`` keys: nothing is packed."""
@@ -179,11 +179,22 @@ def pack_layout(
     offset = 0
     for dtype in sorted(groups, key=lambda d: -d.itemsize):
         on_cpu, elsewhere = groups[dtype]
-        for key in on_cpu + elsewhere if elsewhere else on_cpu:
+        for key in on_cpu + _by_device(tensors, elsewhere) if elsewhere else on_cpu:
             entry = PackedTensor(offset, dtype, tuple(tensors[key].shape))
             placed[key] = entry
             offset += entry.nbytes
     return placed
+
+
+def _by_device(tensors: Mapping[str, torch.Tensor], keys: list[str]) -> list[str]:
+    """``keys`` grouped by their tensors' devices, in order of first appearance (several GPUs
+    in one process), each group in ``keys``' order."""
+    groups: dict[torch.device, list[str]] = {}
+    for key in keys:
+        groups.setdefault(tensors[key].device, []).append(key)
+    if len(groups) == 1:
+        return keys
+    return [key for group in groups.values() for key in group]
 
 
 def unpacked(

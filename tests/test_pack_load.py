@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckptmgr import CheckpointError, CheckpointManager, CorruptCheckpointError
+from ckptmgr import CheckpointError, CheckpointManager, CorruptCheckpointError, pack_load
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64]
 
@@ -231,3 +231,58 @@ def test_destinations_on_another_device_get_runs_of_their_own(tmp_path: Path) ->
             assert _bits_equal(target[key], value), key
         else:
             assert target[key].device.type == "meta" and target[key].shape == value.shape, key
+
+
+def test_a_devices_destinations_form_one_run_across_cpu_ones_between_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An optimizer's CPU step scalars lie between each parameter's GPU moments in key order,
+    but not in a pack saved from a GPU (a dtype's CPU tensors first): a restore makes one run
+    per device, not a run per pair. ``meta`` stands in for the GPU."""
+    count = 16
+    saved = {f"state/{i}/step": torch.tensor(float(i)) for i in range(count)}
+    for i in range(count):
+        saved[f"state/{i}/exp_avg"] = torch.randn(8)
+        saved[f"state/{i}/exp_avg_sq"] = torch.randn(8)
+    target: dict[str, torch.Tensor] = {}
+    for i in range(count):  # key order, as an optimizer's state dict has it
+        target[f"state/{i}/step"] = torch.zeros(())
+        target[f"state/{i}/exp_avg"] = torch.empty(8, device="meta")
+        target[f"state/{i}/exp_avg_sq"] = torch.empty(8, device="meta")
+    calls: list[str] = []
+    split = torch.split_with_sizes_copy
+
+    def counting(flat: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append(flat.device.type)
+        return split(flat, *args, **kwargs)
+
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+        monkeypatch.setattr(torch, "split_with_sizes_copy", counting)
+        manager.restore(1, target)
+    assert sorted(calls) == ["cpu", "meta"]
+    for i in range(count):
+        assert target[f"state/{i}/step"].item() == float(i)
+
+
+def test_runs_on_a_device_get_their_bytes_in_pieces_that_skip_long_gaps() -> None:
+    """The pack's bytes go to a device in one piece per stretch of its runs (a gap is bridged
+    up to 64 KiB, or up to the bytes already in the piece), each piece from a 16-byte boundary."""
+    meta = torch.device("meta")
+    buffer = torch.empty(10_000_000, dtype=torch.uint8)
+
+    def run(start: int, nbytes: int, device: torch.device | None = meta) -> pack_load._Run:
+        made = pack_load._Run(start, torch.float32, device)
+        made.end = start + nbytes
+        return made
+
+    near = [run(20, 48), run(1_000, 48), run(60_000, 400)]  # gaps under 64 KiB: one piece
+    far = run(9_000_000, 64)  # a long gap: a piece of its own
+    on_cpu = run(500, 100, None)  # no copy
+    pack_load._copy_to_devices(buffer, [far, on_cpu, *near])
+    assert on_cpu.on_device is None
+    start, there = near[0].on_device  # type: ignore[misc]
+    assert start == 16 and there.device == meta and there.numel() == 60_400 - 16
+    assert all(r.on_device is not None and r.on_device[1] is there for r in near)
+    assert far.on_device is not None and far.on_device[0] == 9_000_000
+    assert far.on_device[1].numel() == 64
