@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -345,7 +345,23 @@ def test_small_device_tensors_flattened_in_bounded_pieces(
     """Small device tensors are flattened on their device in pieces of at most
     FLATTEN_MAX_DEVICE_BYTES (a temporary there) before their copy to the host; with a tiny
     bound the pieces are many, cut at every bound, and the values still round-trip."""
-    monkeypatch.setattr(packing, "FLATTEN_MAX_DEVICE_BYTES", 3_000)
+    bound = 3_000
+    monkeypatch.setattr(packing, "FLATTEN_MAX_DEVICE_BYTES", bound)
+    pieces: list[tuple[int, int]] = []  # (members, bytes) of each flatten of device tensors
+
+    def watched(flatten: Callable[[list[torch.Tensor]], torch.Tensor]) -> Callable[..., object]:
+        def flatten_and_note(members: list[torch.Tensor]) -> torch.Tensor:
+            if members and not members[0].is_cpu:
+                nbytes = sum(m.numel() * m.element_size() for m in members)
+                pieces.append((len(members), nbytes))
+            return flatten(members)
+
+        return flatten_and_note
+
+    monkeypatch.setattr(packing, "_flatten_dense_tensors", watched(packing._flatten_dense_tensors))
+    monkeypatch.setattr(
+        torch._C._nn, "flatten_dense_tensors", watched(torch._C._nn.flatten_dense_tensors)
+    )
     gen = torch.Generator().manual_seed(5)
     state = {f"t/{i}": _random(torch.float32, (100 + i,), gen).to(DEVICE) for i in range(60)}
     state.update({f"h/{i}": _random(torch.float16, (7,), gen).to(DEVICE) for i in range(9)})
@@ -357,11 +373,14 @@ def test_small_device_tensors_flattened_in_bounded_pieces(
             target = _fresh_like(state)
             manager.restore(step, target)
             _assert_exact(target, state)
+    if ON_CUDA:  # (on the CPU nothing is flattened on a device)
+        assert len(pieces) >= 2 * 60 * 400 // bound, pieces  # many pieces, every save
+        assert all(nbytes <= bound or members == 1 for members, nbytes in pieces), pieces
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="on the CPU every tensor is a CPU tensor")
 def test_an_optimizers_cpu_step_scalars_do_not_split_its_device_tensors_in_the_pack(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """AdamW keeps ``step`` as a float32 scalar on the CPU beside float32 moments on the GPU:
     the pack puts a dtype's CPU tensors first, so the device ones lie together (one gather at
@@ -378,6 +397,27 @@ def test_an_optimizers_cpu_step_scalars_do_not_split_its_device_tensors_in_the_p
     moments = [offset for name, offset in record.packed.items() if "exp_avg" in name]
     assert len(steps) == 16 and len(moments) == 32
     assert max(steps) < min(moments)
+    expected = _snapshot(
+        {f"{i}/{k}": v for i, s in enumerate(optimizer.state.values()) for k, v in s.items()}
+    )
+    fresh = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)]).to(DEVICE)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    splits: list[str] = []
+    split = torch.split_with_sizes_copy
+
+    def counting(flat: torch.Tensor, *args: object, **kwargs: object) -> object:
+        splits.append(flat.device.type)
+        return split(flat, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "split_with_sizes_copy", counting)
+    with _manager(tmp_path, "thread") as manager:
+        manager.restore(1, {"model": fresh, "optim": fresh_optimizer})
+    assert len(splits) <= 4, splits  # a run per device (and dtype), not per pair of moments
+    assert len(fresh_optimizer.state) == len(optimizer.state)
+    restored = {
+        f"{i}/{k}": v for i, s in enumerate(fresh_optimizer.state.values()) for k, v in s.items()
+    }
+    _assert_exact(restored, expected)
 
 
 def test_restore_waits_for_work_pending_on_its_destinations(tmp_path: Path) -> None:
