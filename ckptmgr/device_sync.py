@@ -28,10 +28,11 @@ def wait_for_queued_work(tensors: Iterable[torch.Tensor]) -> None:
 
 def wait_for_devices(tensors: Iterable[torch.Tensor]) -> None:
     """Block until all work queued so far on every stream of every CUDA device that holds one
-    of ``tensors`` is done. A restore calls it before it writes into its destinations: the
-    caller's work still pending on them, on any stream, would otherwise overwrite what is read
-    (DCP's reader threads copy on streams of their own). Costs nothing when CUDA was never used
-    in this process."""
+    of ``tensors`` is done. A restore calls it before it writes into its destinations (the
+    caller's work still pending on them, on any stream, would otherwise overwrite what is read:
+    DCP's reader threads copy on streams of their own) and after DCP's load (a reader thread
+    fills a non-contiguous device destination with a device copy on its own stream). Costs
+    nothing when CUDA was never used in this process."""
     if not torch.cuda.is_initialized():
         return
     for device in {tensor.device for tensor in tensors if not tensor.is_cpu}:

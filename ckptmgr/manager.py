@@ -1026,6 +1026,9 @@ class CheckpointManager:
                 if isinstance(exc, CheckpointError):
                     raise
                 raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
+            # DCP's reader threads fill a non-contiguous device destination with a copy on
+            # their own stream, which the caller's next work would not wait for.
+            wait_for_devices(to_load.values())
             plan.finish()  # plain values; objects' own load_state_dict (its error as raised)
         except Exception as exc:
             load_error = exc

@@ -123,7 +123,9 @@ def split_for_load(
         else:
             out = _later(dest, dtype, shape, numel, later)
         # A run per device (so CPU tensors between GPU ones, an optimizer's step scalars say,
-        # do not cut the GPU's run); within a device, destinations are written in key order.
+        # do not cut the GPU's run). Within a device the runs are made in key order; on the
+        # CPU a run's outputs are written one after another too (destinations that overlap
+        # end as key order says), while CUDA may write one call's outputs at once.
         run = open_runs.get(device)
         if run is None or offset != run.end or dtype is not run.dtype:
             run = open_runs[device] = _Run(offset, dtype, device)
@@ -225,8 +227,11 @@ def _unpack(
                     flat = buffer[run.start : run.end]
                 else:
                     start, there = run.on_device
+                    run.on_device = None  # the device copy goes once its last run is done
                     flat = there[run.start - start : run.end - start]
+                    del there
                 torch.split_with_sizes_copy(flat.view(run.dtype), run.sizes, 0, out=run.outs)
+                del flat
             for dest, piece, shape in later:
                 value = piece.view(shape)
                 if DTensor is not None and isinstance(dest, DTensor):
@@ -236,6 +241,9 @@ def _unpack(
     except Exception:  # (asked only here: a restore costs no check per destination)
         check_all_restorable(destinations)
         raise
+    finally:
+        for run in runs:  # (after a failure: device copies not used yet)
+            run.on_device = None
 
 
 _DEVICE_COPY_GAP_BYTES = 64 * 1024

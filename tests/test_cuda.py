@@ -424,16 +424,20 @@ def test_restore_waits_for_work_pending_on_its_destinations(tmp_path: Path) -> N
     """Restore called inside the caller's own stream, with work still pending on the
     destinations there: that work is done before the stored values are written (by reader
     threads on their own streams too, with two data files), and the values are there when
-    restore returns."""
+    restore returns, a non-contiguous destination's too."""
     gen = torch.Generator().manual_seed(6)
     state = {
         "big/a": _random(torch.float32, (2 * 2**20,), gen).to(DEVICE),
         "big/b": _random(torch.float32, (2 * 2**20,), gen).to(DEVICE),
         **{f"small/{i}": _random(torch.float32, (64,), gen).to(DEVICE) for i in range(20)},
     }
+    state["big/transposed"] = _random(torch.float32, (1024, 512), gen).to(DEVICE).t()
     with _manager(tmp_path, "save", num_of_threads=2) as manager:
         assert manager.save(1, state)
         target = _fresh_like(state)
+        # non-contiguous: a reader thread fills it through a device copy on its own stream
+        target["big/transposed"] = torch.empty(1024, 512, device=DEVICE).t()
+        assert not target["big/transposed"].is_contiguous()
         with _side_stream():
             _delay()
             for value in target.values():

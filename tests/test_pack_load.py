@@ -286,3 +286,22 @@ def test_runs_on_a_device_get_their_bytes_in_pieces_that_skip_long_gaps() -> Non
     assert all(r.on_device is not None and r.on_device[1] is there for r in near)
     assert far.on_device is not None and far.on_device[0] == 9_000_000
     assert far.on_device[1].numel() == 64
+
+
+def test_the_device_copies_of_the_pack_are_let_go_when_unpacking_ends() -> None:
+    """The runs hold their device's copy of the pack only while they are copied out: after
+    unpacking (and after a failed one) none is left to hold device memory through the rest of
+    the restore (optimizers' load_state_dict, the ranks' agreement)."""
+    meta = torch.device("meta")
+    buffer = torch.arange(64, dtype=torch.uint8)
+    runs = [pack_load._Run(0, torch.float32, meta), pack_load._Run(16, torch.float32, meta)]
+    for run in runs:
+        run.end = run.start + 16
+        run.sizes = [4]
+        run.outs = [torch.empty(4, device=meta)]
+    pack_load._unpack(buffer, runs, [], {})
+    assert all(run.on_device is None for run in runs)
+    runs[1].outs = [torch.empty(4, dtype=torch.int64, device=meta)]  # another dtype: fails
+    with pytest.raises(RuntimeError):
+        pack_load._unpack(buffer, runs, [], {})
+    assert all(run.on_device is None for run in runs)
