@@ -531,7 +531,7 @@ class StagingBuffers:
     def _copy_from_devices(
         self,
         pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        gathers: list[tuple[list[torch.Tensor], torch.Tensor]] = [],  # noqa: B006 (not changed)
+        gathers: list[tuple[list[torch.Tensor], torch.Tensor]],
     ) -> None:
         """Device-to-host copies: non-blocking on a side stream of each source's device (a
         CUDA copy runs on the current stream of its source's device), each ordered after that
