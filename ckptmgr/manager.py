@@ -1019,16 +1019,18 @@ class CheckpointManager:
         load_error: Exception | None = None
         try:
             if to_load or self._comm.distributed:  # collective: also a rank with nothing to load
-                _load(step, to_load, reader, group)
+                try:
+                    _load(step, to_load, reader, group)
+                finally:  # (a failed load too: its copies must not land after restore raised)
+                    # DCP's reader threads fill a non-contiguous device destination with a
+                    # copy on their own stream, which the caller's next work would not wait for.
+                    wait_for_devices(to_load.values())
             try:
                 unpack()
             except Exception as exc:
                 if isinstance(exc, CheckpointError):
                     raise
                 raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
-            # DCP's reader threads fill a non-contiguous device destination with a copy on
-            # their own stream, which the caller's next work would not wait for.
-            wait_for_devices(to_load.values())
             plan.finish()  # plain values; objects' own load_state_dict (its error as raised)
         except Exception as exc:
             load_error = exc

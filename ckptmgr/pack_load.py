@@ -10,6 +10,7 @@ a device such as CUDA, after one host-to-device copy of the run's bytes).
 from __future__ import annotations
 
 import math
+import traceback
 from collections.abc import Callable, Mapping
 
 import torch
@@ -219,6 +220,8 @@ def _unpack(
     runs on a device, after one copy there of the bytes they span), then the pieces that could
     not be copied into their destinations directly. A destination that cannot be written to
     raises ``CheckpointError`` naming it (its key in ``destinations``)."""
+    flat: torch.Tensor | None = None
+    there: torch.Tensor | None = None
     try:
         with torch.no_grad():  # destinations may be parameters
             _copy_to_devices(buffer, runs)
@@ -229,17 +232,21 @@ def _unpack(
                     start, there = run.on_device
                     run.on_device = None  # the device copy goes once its last run is done
                     flat = there[run.start - start : run.end - start]
-                    del there
+                    there = None
                 torch.split_with_sizes_copy(flat.view(run.dtype), run.sizes, 0, out=run.outs)
-                del flat
+                flat = None
             for dest, piece, shape in later:
                 value = piece.view(shape)
                 if DTensor is not None and isinstance(dest, DTensor):
                     dest.to_local().copy_(_local_part(value, dest))
                 else:
                     dest.copy_(value)
-    except Exception:  # (asked only here: a restore costs no check per destination)
-        check_all_restorable(destinations)
+    except Exception as exc:
+        # The traceback keeps this frame and those below alive (through the ranks' agreement
+        # and the caller's handler): let go of every device copy they hold.
+        del flat, there
+        traceback.clear_frames(exc.__traceback__)
+        check_all_restorable(destinations)  # (asked only here: no check per destination)
         raise
     finally:
         for run in runs:  # (after a failure: device copies not used yet)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckptmgr import CheckpointManager, packing
+from ckptmgr import CheckpointManager, dcp_io, packing
 
 DEVICE = os.environ.get("CKPTMGR_TEST_DEVICE", "cuda")
 ON_CUDA = DEVICE == "cuda"
@@ -420,7 +421,9 @@ def test_an_optimizers_cpu_step_scalars_do_not_split_its_device_tensors_in_the_p
     _assert_exact(restored, expected)
 
 
-def test_restore_waits_for_work_pending_on_its_destinations(tmp_path: Path) -> None:
+def test_restore_waits_for_work_pending_on_its_destinations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Restore called inside the caller's own stream, with work still pending on the
     destinations there: that work is done before the stored values are written (by reader
     threads on their own streams too, with two data files), and the values are there when
@@ -432,6 +435,17 @@ def test_restore_waits_for_work_pending_on_its_destinations(tmp_path: Path) -> N
         **{f"small/{i}": _random(torch.float32, (64,), gen).to(DEVICE) for i in range(20)},
     }
     state["big/transposed"] = _random(torch.float32, (1024, 512), gen).to(DEVICE).t()
+    if ON_CUDA:  # a reader thread's copies into the destinations: queued behind 0.1 s there
+        real_narrow = dcp_io._narrow
+
+        def slow_device_piece(tensor: torch.Tensor, *where: object) -> torch.Tensor:
+            piece = real_narrow(tensor, *where)
+            if threading.current_thread().name.startswith("ckptmgr-read"):
+                piece = piece.to(DEVICE)
+                torch.cuda._sleep(200_000_000)  # on the reader thread's own stream
+            return piece
+
+        monkeypatch.setattr(dcp_io, "_narrow", slow_device_piece)
     with _manager(tmp_path, "save", num_of_threads=2) as manager:
         assert manager.save(1, state)
         target = _fresh_like(state)

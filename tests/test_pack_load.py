@@ -4,7 +4,9 @@ record that describes the pack wrongly."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -288,7 +290,9 @@ def test_runs_on_a_device_get_their_bytes_in_pieces_that_skip_long_gaps() -> Non
     assert far.on_device[1].numel() == 64
 
 
-def test_the_device_copies_of_the_pack_are_let_go_when_unpacking_ends() -> None:
+def test_the_device_copies_of_the_pack_are_let_go_when_unpacking_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The runs hold their device's copy of the pack only while they are copied out: after
     unpacking (and after a failed one) none is left to hold device memory through the rest of
     the restore (optimizers' load_state_dict, the ranks' agreement)."""
@@ -299,9 +303,22 @@ def test_the_device_copies_of_the_pack_are_let_go_when_unpacking_ends() -> None:
         run.end = run.start + 16
         run.sizes = [4]
         run.outs = [torch.empty(4, device=meta)]
+    copies: list[weakref.ref[torch.Tensor]] = []
+    real_copy = pack_load._copy_to_devices
+
+    def noting_copies(buffer: torch.Tensor, runs: list[pack_load._Run]) -> None:
+        real_copy(buffer, runs)
+        copies.extend(weakref.ref(run.on_device[1]) for run in runs if run.on_device)
+
+    monkeypatch.setattr(pack_load, "_copy_to_devices", noting_copies)
     pack_load._unpack(buffer, runs, [], {})
     assert all(run.on_device is None for run in runs)
+    assert copies and all(copy() is None for copy in copies)
+    copies.clear()
     runs[1].outs = [torch.empty(4, dtype=torch.int64, device=meta)]  # another dtype: fails
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError) as failure:
         pack_load._unpack(buffer, runs, [], {})
     assert all(run.on_device is None for run in runs)
+    gc.collect()
+    assert failure.value.__traceback__ is not None  # the traceback is still held here
+    assert copies and all(copy() is None for copy in copies)

@@ -702,3 +702,41 @@ def test_ints_too_long_for_json_decimals_round_trip(ckpt_dir: Path) -> None:
         target: dict[str, Any] = {"n": 0, "m": [0, 0]}
         mgr.restore(1, target)
     assert target == {"n": huge, "m": [negative, 3]}
+
+
+@pytest.mark.parametrize("load_fails", [False, True])
+def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, load_fails: bool
+) -> None:
+    """The order of restore's device waits (what they do is CUDA's: tests/test_cuda.py): one
+    while planning, for every destination, before anything is read; one after DCP's load, for
+    what it loaded (its reader threads copy on streams of their own), also when the load fails,
+    so that none of its copies lands after restore has raised."""
+    import ckptmgr.manager as manager_module
+
+    events: list[tuple[str, int]] = []
+    real_load = manager_module._load
+
+    def noting_wait(tensors: Any) -> None:
+        events.append(("wait", len(list(tensors))))
+
+    def noting_load(step: int, tensors: dict[str, torch.Tensor], *args: Any) -> None:
+        events.append(("load", len(tensors)))
+        if load_fails:
+            raise OSError("injected: the read failed")
+        real_load(step, tensors, *args)
+
+    monkeypatch.setattr(manager_module, "wait_for_devices", noting_wait)
+    monkeypatch.setattr(manager_module, "_load", noting_load)
+    state = {f"small/{i}": torch.rand(8) for i in range(10)} | {"big": torch.rand(100_000)}
+    with manager(tmp_path, save_interval=1) as mgr:
+        assert mgr.save(1, state)
+        target = {key: torch.zeros_like(value) for key, value in state.items()}
+        if load_fails:
+            with pytest.raises(OSError, match="injected"):
+                mgr.restore(1, target)
+        else:
+            mgr.restore(1, target)
+            assert all(torch.equal(target[key], value) for key, value in state.items())
+    # 11 destinations; DCP loads "big" and the pack of the 10 small ones
+    assert events == [("wait", 11), ("load", 2), ("wait", 2)]
