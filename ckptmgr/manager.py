@@ -1019,12 +1019,24 @@ class CheckpointManager:
         load_error: Exception | None = None
         try:
             if to_load or self._comm.distributed:  # collective: also a rank with nothing to load
+                # DCP's reader threads fill a non-contiguous device destination with a copy on
+                # their own stream, which the caller's next work would not wait for: wait for
+                # the devices after the load, a failed one too (its copies must not land after
+                # restore raised), whose own error is then the one raised.
                 try:
                     _load(step, to_load, reader, group)
-                finally:  # (a failed load too: its copies must not land after restore raised)
-                    # DCP's reader threads fill a non-contiguous device destination with a
-                    # copy on their own stream, which the caller's next work would not wait for.
-                    wait_for_devices(to_load.values())
+                except BaseException:
+                    try:
+                        wait_for_devices(to_load.values())
+                    except Exception:
+                        log.warning(
+                            "restore of step %d: after the failed load, waiting for the "
+                            "devices failed too",
+                            step,
+                            exc_info=True,
+                        )
+                    raise
+                wait_for_devices(to_load.values())
             try:
                 unpack()
             except Exception as exc:

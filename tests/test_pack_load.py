@@ -8,6 +8,7 @@ import gc
 import json
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -322,3 +323,34 @@ def test_the_device_copies_of_the_pack_are_let_go_when_unpacking_ends(
     gc.collect()
     assert failure.value.__traceback__ is not None  # the traceback is still held here
     assert copies and all(copy() is None for copy in copies)
+
+
+def test_a_device_copy_made_before_a_failed_one_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy to one device succeeds, the copy to the next fails (here: CUDA, absent from this
+    torch build, or out of its memory): while the exception is held, the first copy is not
+    kept alive by the failed frames' locals (meta stands in for the first device)."""
+    buffer = torch.arange(64, dtype=torch.uint8)
+    runs = [
+        pack_load._Run(0, torch.float32, torch.device("meta")),
+        pack_load._Run(16, torch.float32, torch.device("cuda", 0)),
+    ]
+    for run in runs:
+        run.end = run.start + 16
+        run.sizes = [4]
+        run.outs = [torch.empty(4, device="meta")]
+    copies: list[weakref.ref[torch.Tensor]] = []
+    real_to = torch.Tensor.to
+
+    def noting_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and torch.device(args[0]).type == "cuda":
+            raise RuntimeError("injected: CUDA out of memory")
+        copy = real_to(self, *args, **kwargs)
+        copies.append(weakref.ref(copy))
+        return copy
+
+    monkeypatch.setattr(torch.Tensor, "to", noting_to)
+    with pytest.raises(RuntimeError, match="injected") as failure:
+        pack_load._unpack(buffer, runs, [], {})
+    gc.collect()
+    assert failure.value.__traceback__ is not None  # the traceback is still held here
+    assert len(copies) == 1 and copies[0]() is None

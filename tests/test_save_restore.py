@@ -704,14 +704,18 @@ def test_ints_too_long_for_json_decimals_round_trip(ckpt_dir: Path) -> None:
     assert target == {"n": huge, "m": [negative, 3]}
 
 
-@pytest.mark.parametrize("load_fails", [False, True])
+@pytest.mark.parametrize("failing", ["nothing", "load", "load and wait"])
 def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, load_fails: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    failing: str,
 ) -> None:
     """The order of restore's device waits (what they do is CUDA's: tests/test_cuda.py): one
     while planning, for every destination, before anything is read; one after DCP's load, for
     what it loaded (its reader threads copy on streams of their own), also when the load fails,
-    so that none of its copies lands after restore has raised."""
+    so that none of its copies lands after restore has raised. When that wait fails too, the
+    load's error is the one raised, and the wait's is logged."""
     import ckptmgr.manager as manager_module
 
     events: list[tuple[str, int]] = []
@@ -719,10 +723,12 @@ def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
 
     def noting_wait(tensors: Any) -> None:
         events.append(("wait", len(list(tensors))))
+        if failing == "load and wait" and len(events) > 1:
+            raise RuntimeError("injected: CUDA error")
 
     def noting_load(step: int, tensors: dict[str, torch.Tensor], *args: Any) -> None:
         events.append(("load", len(tensors)))
-        if load_fails:
+        if failing != "nothing":
             raise OSError("injected: the read failed")
         real_load(step, tensors, *args)
 
@@ -732,11 +738,14 @@ def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
     with manager(tmp_path, save_interval=1) as mgr:
         assert mgr.save(1, state)
         target = {key: torch.zeros_like(value) for key, value in state.items()}
-        if load_fails:
-            with pytest.raises(OSError, match="injected"):
-                mgr.restore(1, target)
-        else:
+        if failing == "nothing":
             mgr.restore(1, target)
             assert all(torch.equal(target[key], value) for key, value in state.items())
+        else:
+            with caplog.at_level(logging.WARNING, logger="ckptmgr"):
+                with pytest.raises(OSError, match="injected: the read failed"):
+                    mgr.restore(1, target)
+            logged = "waiting for the devices failed too" in caplog.text
+            assert logged == (failing == "load and wait")
     # 11 destinations; DCP loads "big" and the pack of the 10 small ones
     assert events == [("wait", 11), ("load", 2), ("wait", 2)]
