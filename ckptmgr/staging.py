@@ -598,29 +598,49 @@ _MIN_CAT_RUN = 4
 two moments between 0-dim steps) was measured slower, four tensors about even."""
 
 
-def _cat_runs(packed: list[PackedTensor], on_cpu: list[bool]) -> list[tuple[int, int]]:
-    """(first, end) indices into ``packed`` (in pack order) of every run of ``_MIN_CAT_RUN`` or
-    more tensors that one ``torch.cat`` along dimension 0 copies: back to back, of one dtype,
-    with at least one dimension and the same sizes after the first, and CPU sources (``on_cpu``,
-    per entry: a device's tensors are copied to the host one by one)."""
-    runs: list[tuple[int, int]] = []
+def _stretches(
+    packed: list[PackedTensor],
+    joins: Callable[[int, int], bool],
+    keeps: Callable[[int, int], bool],
+) -> list[tuple[int, int]]:
+    """(first, end) indices into ``packed`` (in pack order) of every stretch of tensors back to
+    back, of one dtype, whose every entry ``joins(first, index)`` the stretch begun at
+    ``first``, and that ``keeps(first, end)``."""
+    stretches: list[tuple[int, int]] = []
     first = 0
     for index in range(1, len(packed) + 1):
         if index < len(packed):
             before, entry = packed[index - 1], packed[index]
             if (
-                on_cpu[index]
-                and on_cpu[index - 1]
-                and entry.dtype == before.dtype
-                and entry.shape[1:] == before.shape[1:]
-                and len(entry.shape) == len(before.shape) > 0
+                entry.dtype == before.dtype
                 and entry.offset == before.offset + before.nbytes
+                and joins(first, index)
             ):
                 continue
-        if index - first >= _MIN_CAT_RUN and packed[first].shape:
-            runs.append((first, index))
+        if keeps(first, index):
+            stretches.append((first, index))
         first = index
-    return runs
+    return stretches
+
+
+def _cat_runs(packed: list[PackedTensor], on_cpu: list[bool]) -> list[tuple[int, int]]:
+    """(first, end) indices into ``packed`` (in pack order) of every run of ``_MIN_CAT_RUN`` or
+    more tensors that one ``torch.cat`` along dimension 0 copies: back to back, of one dtype,
+    with at least one dimension and the same sizes after the first, and CPU sources (``on_cpu``,
+    per entry: a device's tensors are copied to the host one by one)."""
+
+    def joins(first: int, index: int) -> bool:
+        shape, head = packed[index].shape, packed[first].shape
+        return (
+            on_cpu[index]
+            and on_cpu[first]
+            and len(shape) == len(head) > 0
+            and shape[1:] == head[1:]
+        )
+
+    return _stretches(
+        packed, joins, lambda first, end: end - first >= _MIN_CAT_RUN and bool(packed[first].shape)
+    )
 
 
 def _gathers(
@@ -630,25 +650,15 @@ def _gathers(
     tensors back to back, of one dtype, on one CUDA device (``devices``, per entry), of at most
     ``max_bytes`` together (or one tensor): flattened on the device and copied to the host in
     one piece."""
-    stretches: list[tuple[int, int]] = []
-    first = 0
-    nbytes = packed[0].nbytes if packed else 0
-    for index in range(1, len(packed) + 1):
-        if index < len(packed):
-            before, entry = packed[index - 1], packed[index]
-            if (
-                devices[index] == devices[first]
-                and entry.dtype == before.dtype
-                and entry.offset == before.offset + before.nbytes
-                and nbytes + entry.nbytes <= max_bytes
-            ):
-                nbytes += entry.nbytes
-                continue
-            nbytes = entry.nbytes
-        if index - first >= 2 and devices[first].type == "cuda":
-            stretches.append((first, index))
-        first = index
-    return stretches
+
+    def joins(first: int, index: int) -> bool:
+        entry = packed[index]
+        within = entry.offset + entry.nbytes - packed[first].offset <= max_bytes
+        return devices[index] == devices[first] and within
+
+    return _stretches(
+        packed, joins, lambda first, end: end - first >= 2 and devices[first].type == "cuda"
+    )
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
