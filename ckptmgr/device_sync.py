@@ -14,16 +14,21 @@ from collections.abc import Iterable
 import torch
 
 
+def _cuda_devices(tensors: Iterable[torch.Tensor]) -> set[torch.device]:
+    """The CUDA devices that hold one of ``tensors``; none, without a look at them, when CUDA
+    was never used in this process."""
+    if not torch.cuda.is_initialized():
+        return set()
+    devices = {tensor.device for tensor in tensors if not tensor.is_cpu}
+    return {device for device in devices if device.type == "cuda"}
+
+
 def wait_for_queued_work(tensors: Iterable[torch.Tensor]) -> None:
     """Block until the work queued so far on the calling thread's current stream of every CUDA
     device that holds one of ``tensors`` is done. Costs nothing when CUDA was never used in
     this process."""
-    if not torch.cuda.is_initialized():
-        return
-    devices = {tensor.device for tensor in tensors}
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+    for device in _cuda_devices(tensors):
+        torch.cuda.current_stream(device).synchronize()
 
 
 def wait_for_devices(tensors: Iterable[torch.Tensor]) -> None:
@@ -33,8 +38,5 @@ def wait_for_devices(tensors: Iterable[torch.Tensor]) -> None:
     DCP's reader threads copy on streams of their own) and after DCP's load (a reader thread
     fills a non-contiguous device destination with a device copy on its own stream). Costs
     nothing when CUDA was never used in this process."""
-    if not torch.cuda.is_initialized():
-        return
-    for device in {tensor.device for tensor in tensors if not tensor.is_cpu}:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    for device in _cuda_devices(tensors):
+        torch.cuda.synchronize(device)
