@@ -179,7 +179,8 @@ def test_agree_every_n_steps_agrees_once_per_step_so_save_follows_should_save(
     that needs the agreement (a policy of the user's own) never saved."""
     result = run_python(AGREE_EVERY_CHILD, str(tmp_path), timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
+    # (only the child's own lines: gloo of some torch versions prints to stdout as well)
+    lines = [line for line in result.stdout.splitlines() if not line.startswith("[Gloo]")]
     assert lines[0] == "should_save 2 save returned True", result.stdout
     assert "preemption steps [2]" in lines
     assert json.loads(lines[-1].removeprefix("policy steps ")) == [2, 4, 6, 8, 10]
