@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -384,12 +384,28 @@ class VerifyingLocalFile:
             self._position += len(buffer)
 
 
+def _readinto_of(stream: Any) -> Callable[[memoryview], int]:
+    """``stream.readinto``, or for a stream without one (before Python 3.11, the
+    ``SpooledTemporaryFile`` that a remote data file is downloaded into) a read and a copy."""
+    readinto = getattr(stream, "readinto", None)
+    if readinto is not None:
+        return readinto
+
+    def read_and_copy(piece: memoryview) -> int:
+        data = stream.read(piece.nbytes)
+        piece[: len(data)] = data
+        return len(data)
+
+    return read_and_copy
+
+
 class StreamSource:
     """A :class:`TensorSource` over a seekable stream that was checked when it was fetched."""
 
     def __init__(self, stream: Any, name: str) -> None:
         self._stream = stream
         self._name = name
+        self._readinto = _readinto_of(stream)
 
     def read_into(self, offset: int, piece: memoryview, owner: Any) -> None:
         """Seek to ``offset`` and fill ``piece``."""
@@ -397,7 +413,7 @@ class StreamSource:
         self._stream.seek(offset)
         done = 0
         while done < piece.nbytes:
-            count = self._stream.readinto(piece[done:])
+            count = self._readinto(piece[done:])
             if not count:
                 raise CorruptCheckpointError(
                     f"the file ends before the tensor bytes it should hold at {offset}",
