@@ -9,7 +9,9 @@ a device such as CUDA, after one host-to-device copy of the run's bytes).
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import traceback
 from collections.abc import Callable, Mapping
 
@@ -27,6 +29,7 @@ except ImportError:  # pragma: no cover - torch without DTensor
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 """Destination types copied into directly (anything else, a ``DTensor`` say, gets a copy)."""
+_PLAIN_TENSOR_TYPES_SET = frozenset(_PLAIN_TENSOR_TYPES)
 
 
 class _Run:
@@ -71,11 +74,126 @@ def split_for_load(
     packed = record.packed
     if not packed:
         return dict(destinations), _nothing
+    dtypes: dict[str, _StoredDtype] = {}
+    direct = _direct_runs(destinations, record, dtypes)
+    if direct is not None:
+        to_load: dict[str, torch.Tensor] = {}
+        later: list[_Later] = []
+        runs, wanted_bytes = direct
+        wanted_count = len(destinations)
+    else:
+        to_load, runs, later, wanted_bytes, wanted_count = _matched_runs(
+            destinations, record, dtypes
+        )
+    if not runs:
+        return to_load, _nothing
+    size = _check_layout(record, runs, wanted_bytes, wanted_count, dtypes)
+    buffer = torch.empty(size, dtype=torch.uint8)
+    to_load[PACK_KEY] = buffer
+    return to_load, lambda: _unpack(buffer, runs, later, destinations)
+
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_IS_CPU = operator.attrgetter("is_cpu")
+_ONES = itertools.repeat(1)  # (endless and stateless: shared by every call)
+
+
+def _direct_runs(
+    destinations: Mapping[str, torch.Tensor],
+    record: CommitRecord,
+    dtypes: dict[str, _StoredDtype],
+) -> tuple[list[_Run], int] | None:
+    """(runs, bytes they span) of :func:`split_for_load` for the usual restore: every
+    destination a packed tensor, a plain CPU tensor of its stored dtype (not complex) and shape,
+    1-d or contiguous. None when any destination is not, for :func:`_matched_runs` to match them
+    one at a time (and to raise what is wrong).
+
+    The checks are a few C-level passes over all destinations (``map`` of an attribute getter,
+    a comparison of whole lists) rather than a Python step per tensor: 16 ms instead of 24 for
+    20,000 tensors of 1 KiB here.
+    """
+    keys = list(destinations)
+    offsets = list(map(record.packed.get, keys))
+    if None in offsets:
+        return None
+    dests = list(destinations.values())
+    if not set(map(type, dests)) <= _PLAIN_TENSOR_TYPES_SET:
+        return None
+    entries = list(map(record.tensors.__getitem__, keys))  # (the record's packed are described)
+    names = list(map(_DTYPE, entries))
+    by_name: dict[str, _StoredDtype] = {}
+    for name in set(names):
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype) or dtype.is_complex:
+            return None
+        by_name[name] = dtypes.setdefault(name, _StoredDtype(dtype))
+    if list(map(_DTYPE, dests)) != [by_name[name].dtype for name in names]:
+        return None
+    if not all(map(_IS_CPU, dests)) or any(map(torch.Tensor.is_neg, dests)):
+        return None
+    # Shapes: equal number of dimensions and of elements is equal shape up to 1-d; only the
+    # destinations of more dimensions have theirs read (a torch.Size made for each costs more).
+    shapes = list(map(_SHAPE, entries))
+    dims = list(map(len, shapes))
+    numels = list(map(math.prod, shapes))
+    if list(map(torch.Tensor.dim, dests)) != dims or list(map(torch.Tensor.numel, dests)) != numels:
+        return None
+    outs = dests
+    if dims.count(1) != len(dims):  # others than 1-d are given as 1-d views
+        outs = list(dests)
+        for index in itertools.compress(range(len(dims)), map(operator.ne, dims, _ONES)):
+            dest = dests[index]
+            if dest.shape != tuple(shapes[index]) or not dest.is_contiguous():
+                return None
+            outs[index] = dest.view(-1)
+    if len(by_name) == 1:
+        (stored,) = by_name.values()
+        if offsets[0] % stored.itemsize == 0:
+            nbytes = list(map(operator.mul, numels, itertools.repeat(stored.itemsize)))
+            ends = list(itertools.accumulate(nbytes, initial=offsets[0]))
+            if ends[:-1] == offsets:  # back to back: one run
+                run = _Run(offsets[0], stored.dtype, None)
+                run.outs, run.sizes, run.end = outs, numels, ends[-1]
+                return [run], ends[-1] - offsets[0]
+    return _cut_into_runs(offsets, numels, [by_name[name] for name in names], outs)
+
+
+def _cut_into_runs(
+    offsets: list[int], numels: list[int], stored: list[_StoredDtype], outs: list[torch.Tensor]
+) -> tuple[list[_Run], int] | None:
+    """(runs of back-to-back tensors of one dtype, their bytes) in the given order; None when
+    an offset is not aligned to its dtype's items (for :func:`_matched_runs` to raise)."""
+    runs: list[_Run] = []
+    run: _Run | None = None
+    wanted_bytes = 0
+    for offset, numel, each, out in zip(offsets, numels, stored, outs, strict=True):
+        if offset % each.itemsize:
+            return None
+        if run is None or offset != run.end or each.dtype is not run.dtype:
+            run = _Run(offset, each.dtype, None)
+            runs.append(run)
+        run.outs.append(out)
+        run.sizes.append(numel)
+        nbytes = numel * each.itemsize
+        run.end = offset + nbytes
+        wanted_bytes += nbytes
+    return runs, wanted_bytes
+
+
+def _matched_runs(
+    destinations: Mapping[str, torch.Tensor],
+    record: CommitRecord,
+    dtypes: dict[str, _StoredDtype],
+) -> tuple[dict[str, torch.Tensor], list[_Run], list[_Later], int, int]:
+    """(destinations to load on their own, runs, later copies, bytes and count of the packed
+    tensors wanted): :func:`split_for_load`'s match of every destination against the record,
+    one at a time, for destinations of any kind and any subset and order of the stored ones."""
+    packed = record.packed
     to_load: dict[str, torch.Tensor] = {}
     runs: list[_Run] = []
     later: list[_Later] = []
     tensors = record.tensors
-    dtypes: dict[str, _StoredDtype] = {}
     open_runs: dict[torch.device | None, _Run] = {}  # per device, its latest run
     wanted_bytes = wanted_count = 0
     # Every torch call below costs 0.1-0.3 µs, and there are tens of thousands of tensors: the
@@ -137,12 +255,7 @@ def split_for_load(
         run.end = offset + nbytes
         wanted_bytes += nbytes
         wanted_count += 1
-    if not runs:
-        return to_load, _nothing
-    size = _check_layout(record, runs, wanted_bytes, wanted_count, dtypes)
-    buffer = torch.empty(size, dtype=torch.uint8)
-    to_load[PACK_KEY] = buffer
-    return to_load, lambda: _unpack(buffer, runs, later, destinations)
+    return to_load, runs, later, wanted_bytes, wanted_count
 
 
 def _later(

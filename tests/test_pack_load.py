@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ckptmgr import CheckpointError, CheckpointManager, CorruptCheckpointError, pack_load
+from ckptmgr.record import CommitRecord
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64]
 
@@ -354,3 +355,145 @@ def test_a_device_copy_made_before_a_failed_one_is_let_go(monkeypatch: pytest.Mo
     gc.collect()
     assert failure.value.__traceback__ is not None  # the traceback is still held here
     assert len(copies) == 1 and copies[0]() is None
+
+
+# -- the direct path: every destination a plain CPU tensor of its stored dtype and shape --------
+def _record_of(root: Path) -> CommitRecord:
+    (record_path,) = root.rglob("commit.json")
+    return CommitRecord.from_json(record_path.read_bytes())
+
+
+def _runs_described(runs: list[pack_load._Run]) -> list[tuple[Any, ...]]:
+    """What a run copies where: its bytes, dtype, device, sizes and each output's memory."""
+    return [
+        (
+            run.start,
+            run.end,
+            run.dtype,
+            run.device,
+            run.sizes,
+            [(out.data_ptr(), tuple(out.shape), out.stride()) for out in run.outs],
+        )
+        for run in runs
+    ]
+
+
+def _direct_state() -> dict[str, torch.Tensor]:
+    """Small tensors of four dtypes, interleaved in key order: 1-d, 0-d and n-d (keys with no
+    "/", stored as they are)."""
+    gen = torch.Generator().manual_seed(5)
+    state: dict[str, torch.Tensor] = {}
+    for i in range(30):
+        state[f"p{i}.exp_avg"] = torch.randn(4 + i % 3, generator=gen)
+        state[f"p{i}.step"] = torch.tensor(float(i))
+        state[f"p{i}.weight"] = torch.randn(2, 3, generator=gen).to(torch.bfloat16)
+        state[f"p{i}.count"] = torch.randint(0, 9, (5,), generator=gen)
+    return state
+
+
+@pytest.mark.parametrize("layout", ["saved order", "reversed", "subset", "one dtype", "1-d only"])
+def test_the_direct_path_makes_the_runs_that_matching_one_by_one_makes(
+    tmp_path: Path, layout: str
+) -> None:
+    """For destinations it takes, the direct path's runs copy the same bytes into the same
+    memory as the matching of one destination at a time."""
+    saved = _direct_state()
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+    record = _record_of(tmp_path)
+    keys = list(saved)
+    if layout == "reversed":
+        keys.reverse()
+    elif layout == "subset":
+        keys = keys[3:-7:2]
+    elif layout == "one dtype":
+        keys = [key for key in keys if saved[key].dtype == torch.float32]
+    elif layout == "1-d only":
+        keys = [key for key in keys if saved[key].dim() == 1]
+    destinations = {key: torch.zeros_like(saved[key]) for key in keys}
+    direct = pack_load._direct_runs(destinations, record, {})
+    assert direct is not None
+    matched = pack_load._matched_runs(destinations, record, {})
+    assert matched[0] == {} and matched[2] == []  # (nothing loaded alone, nothing copied later)
+    assert _runs_described(direct[0]) == _runs_described(matched[1])
+    assert direct[1] == matched[3]
+    if layout == "one dtype":  # float32 tensors lie back to back in the pack: one run
+        assert len(direct[0]) == 1 and len(direct[0][0].outs) == len(keys)
+    manager_target = {key: torch.zeros_like(saved[key]) for key in keys}
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        manager.restore(1, manager_target)
+    for key, value in manager_target.items():
+        assert value.shape == saved[key].shape and _bits_equal(value, saved[key]), key
+
+
+@pytest.mark.parametrize(
+    "odd_one",
+    [
+        "other dtype",
+        "other shape, same size",
+        "non-contiguous matrix",
+        "negative view",
+        "on another device",
+        "not packed",
+        "a subclass",
+    ],
+)
+def test_destinations_the_direct_path_leaves_to_matching_one_by_one(
+    tmp_path: Path, odd_one: str
+) -> None:
+    """One destination that the direct copy cannot take sends every destination to the
+    one-by-one matching, which copies the odd one through a piece or raises what is wrong."""
+    saved = _direct_state()
+    saved["big"] = torch.randn(64 * 1024)  # 256 KiB: stored on its own, not packed
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+    record = _record_of(tmp_path)
+    target = {key: torch.zeros_like(value) for key, value in saved.items() if key != "big"}
+    key = "p7.weight"
+    if odd_one == "other dtype":
+        target[key] = torch.zeros(2, 3)
+    elif odd_one == "other shape, same size":
+        target[key] = torch.zeros(3, 2, dtype=torch.bfloat16)
+    elif odd_one == "non-contiguous matrix":
+        target[key] = torch.zeros(3, 2, dtype=torch.bfloat16).t()
+    elif odd_one == "negative view":
+        target["p7.exp_avg"] = torch.zeros(4 + 7 % 3)._neg_view()
+    elif odd_one == "on another device":
+        target[key] = torch.empty(2, 3, dtype=torch.bfloat16, device="meta")
+    elif odd_one == "not packed":
+        target["big"] = torch.zeros(64 * 1024)
+    else:
+
+        class Marked(torch.Tensor):
+            pass
+
+        target[key] = torch.zeros(2, 3, dtype=torch.bfloat16).as_subclass(Marked)
+    assert pack_load._direct_runs(target, record, {}) is None
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        if odd_one == "other shape, same size":
+            with pytest.raises(CheckpointError, match=r"p7\.weight"):
+                manager.restore(1, target)
+            return
+        manager.restore(1, target)
+    for name, value in target.items():
+        if value.device.type != "meta":
+            expected = saved[name].to(value.dtype)
+            assert torch.equal(value.resolve_neg(), expected), name
+
+
+def test_a_state_of_vectors_and_scalars_keeps_every_destination_shape(tmp_path: Path) -> None:
+    """0-d destinations (an optimizer's steps) beside 1-d ones are filled through 1-d views of
+    them: each keeps its shape (an ``out=`` of the wrong shape would be resized)."""
+    saved: dict[str, torch.Tensor] = {}
+    for i in range(50):
+        saved[f"{i}/step"] = torch.tensor(float(i))
+        saved[f"{i}/exp_avg"] = torch.randn(3)
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+        target = {key: torch.zeros_like(value) for key, value in saved.items()}
+        storages = {key: value.untyped_storage().data_ptr() for key, value in target.items()}
+        manager.restore(1, target)
+    for key, value in target.items():
+        assert value.shape == saved[key].shape, key
+        assert value.untyped_storage().data_ptr() == storages[key], key
+        assert torch.equal(value, saved[key]), key
