@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -39,6 +40,18 @@ _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _SCALAR_TYPES = frozenset({type(None), bool, int, float, str, bytes})
 _CONTAINER_TYPES = frozenset({dict, list, tuple})
 
+# plan_restore plans an exact dict or list of at least this many items in batches where it can:
+# all its items if all are tensors, or all dicts of tensors only, else each run of at least this
+# many tensors. For fewer, the setup costs more than it saves (measured: about 40 tensors).
+_BATCH_MIN = 64
+# A run of at least _BATCH_MIN ones in a container's flags (1 for each exact tensor item).
+_TENSOR_RUN = re.compile(b"\x01{%d,}" % _BATCH_MIN)
+# Keys whose str() runs no code and cannot fail (but for a huge int): their paths can be joined
+# all at once.
+_BATCH_KEY_TYPES = frozenset({str, int})
+# Joins the keys to escape them all at once; keys that hold it are joined one by one instead.
+_KEY_SEP = "\x00"
+
 
 def join_path(parent: str, key: object) -> str:
     """Append one key to a path, escaping ``%`` and ``/`` inside the key."""
@@ -47,6 +60,42 @@ def join_path(parent: str, key: object) -> str:
     else:
         part = str(key).replace("%", "%25").replace("/", "%2F")
     return f"{parent}/{part}" if parent else part
+
+
+def _join_paths(parent: str, keys: Sequence[object]) -> list[str] | None:
+    """``[join_path(parent, key) for key in keys]``, computed for all the keys at once: with one
+    ``str.replace`` of each escape on all of them joined by ``_KEY_SEP``, where any needs one.
+    None (join them one by one) if a key is not an exact ``str`` or ``int``, or holds
+    ``_KEY_SEP``."""
+    prefix = f"{parent}/" if parent else ""
+    kinds = set(map(type, keys))
+    try:
+        if kinds == {int}:
+            return [f"{prefix}{key}" for key in keys]  # no "%" or "/" in a number
+        if not kinds <= _BATCH_KEY_TYPES:
+            return None
+        text = _KEY_SEP.join(keys if kinds == {str} else map(str, keys))
+    except ValueError:  # an int too long to print: join_path raises it when its turn comes
+        return None
+    if kinds == {str} and "%" not in text and "/" not in text:  # the common case
+        return [prefix + key for key in keys] if prefix else list(keys)
+    parts = text.replace("%", "%25").replace("/", "%2F").split(_KEY_SEP)
+    if len(parts) != len(keys):  # a key holds the separator (or there are no keys)
+        return None
+    return [prefix + part for part in parts] if prefix else parts
+
+
+def _unescaped_strs(keys: list[Any]) -> bool:
+    """True if every key is an exact ``str`` that :func:`join_path` appends as it is."""
+    if set(map(type, keys)) != {str}:
+        return False
+    text = "".join(keys)
+    return "%" not in text and "/" not in text
+
+
+def _exact_tensors(values: Iterable[Any]) -> bool:
+    """True if the type of every value is exactly one of ``_TENSOR_TYPES``."""
+    return set(map(type, values)) <= _TENSOR_TYPES
 
 
 @dataclass
@@ -223,14 +272,12 @@ def plan_restore(
     planner = _RestorePlanner(
         TrainingObjects(state), set(saved_tensors), saved_objects, rank, objects_rank
     )
-    exact = type(state) is dict  # reading an item runs no code: a tensor is planned at once
     try:
-        for key in list(state):
-            path = join_path("", key)
-            if exact and type(value := state[key]) in _TENSOR_TYPES:
-                planner.plan_tensor(value, path, private=False)
-            else:
-                planner.visit_child(state, key, path, private=False)
+        if type(state) is dict:
+            planner.plan_items(state, "", private=False)
+        else:
+            for key in list(state):
+                planner.visit_child(state, key, join_path("", key), private=False)
     except BaseException:
         planner.plan.abandon()
         raise
@@ -362,6 +409,119 @@ class _RestorePlanner:
             raise self._missing(path, private)
         self.plan.tensors[name] = tensor
 
+    def plan_items(self, items: dict | list, path: str, private: bool) -> None:
+        """Plan every item of ``items``, an exact dict or list at ``path``, in order.
+
+        Many items are planned by :meth:`_plan_many`, in batches where it can; others one by one
+        here, which gives the same plan and the same first error.
+        """
+        keys = list(items) if type(items) is dict else list(range(len(items)))
+        paths = _join_paths(path, keys) if len(keys) >= _BATCH_MIN else None
+        if paths is not None:
+            self._plan_many(items, keys, path, paths, private)
+            return
+        # Reading an item of an exact dict or list runs no code, so a tensor item is planned here
+        # without a call of visit_child (which reads it again); others are read once more, there.
+        for child_key in keys:
+            child_path = join_path(path, child_key)
+            if type(child := items[child_key]) in _TENSOR_TYPES:
+                self.plan_tensor(child, child_path, private)
+            else:
+                self.visit_child(items, child_key, child_path, private)
+
+    def _plan_many(
+        self, items: dict | list, keys: list[Any], path: str, paths: list[str], private: bool
+    ) -> None:
+        """Plan the items at ``keys`` of ``items`` (at ``path``), whose paths are ``paths``: at
+        once if all are tensors, or dicts that hold only tensors; else each long run of tensors
+        at once and the other items one by one."""
+        types = list(map(type, items.values() if type(items) is dict else items))
+        runs = _tensor_runs(types)
+        all_dicts = not runs and types[0] is dict and types.count(dict) == len(types)
+        if not (runs or all_dicts):
+            self._plan_each(items, keys, paths, private)
+            return
+        # Reading an item of an exact dict or list runs no code: all are read ahead.
+        values = list(items.values()) if type(items) is dict else items.copy()
+        if all_dicts and self._plan_tensor_dicts(values, path, paths, private):
+            return
+        self._plan_runs(items, keys, paths, values, runs, private)
+
+    def _plan_runs(
+        self,
+        items: dict | list,
+        keys: list[Any],
+        paths: list[str],
+        values: list[Any],
+        runs: dict[int, int],
+        private: bool,
+    ) -> None:
+        """Plan the items at ``keys`` (read ahead as ``values``) one by one, except each run of
+        tensors ``keys[start:stop]`` for ``start: stop`` in ``runs``, planned at once."""
+        done = 0
+        for start, stop in runs.items():
+            if done < start:
+                self._plan_each(items, keys[done:start], paths[done:start], private)
+            # Past the first item, read the run again: the planning of an item before it may
+            # have run code (a state_dict()) that changed this container.
+            run = values[start:stop] if start == 0 else _read_tensors(items, keys[start:stop])
+            if run is None or not self._plan_tensor_run(run, paths[start:stop], private):
+                # A missing tensor or a changed item: go on one by one, to raise the same error.
+                self._plan_each(items, keys[start:], paths[start:], private)
+                return
+            done = stop
+        if done < len(keys):
+            self._plan_each(items, keys[done:], paths[done:], private)
+
+    def _plan_tensor_dicts(
+        self, dicts: list[dict], parent: str, paths: list[str], private: bool
+    ) -> bool:
+        """Plan ``dicts``, the exact dicts at ``paths`` below ``parent``, at once if each holds
+        only exact tensors under keys with nothing to escape (an optimizer's state of each
+        parameter), as visit_child would: their tensors in order, each at its path. False, with
+        nothing planned, if they do not all qualify or the checkpoint lacks one of the tensors."""
+        # visit_child takes the general path for an empty dict (a plain value), and for one at
+        # "" or with plain values at or below its path (a positional optimizer state dict). Below
+        # the top level, a child's path can hold plain values only if its parent's path does.
+        if not (all(dicts) and _exact_tensors(dicts[0].values())):  # the first rules most out
+            return False
+        if (not parent or parent in self.object_paths) and (
+            "" in paths or not self.object_paths.isdisjoint(paths)
+        ):
+            return False
+        tensors = list(chain.from_iterable(map(dict.values, dicts)))
+        if not (_exact_tensors(tensors) and _unescaped_strs(list(chain.from_iterable(dicts)))):
+            return False
+        names = [f"{path}/{key}" for path, child in zip(paths, dicts, strict=True) for key in child]
+        return self._plan_tensor_run(tensors, names, private)
+
+    def _plan_tensor_run(
+        self, tensors: list[torch.Tensor], paths: list[str], private: bool
+    ) -> bool:
+        """Plan ``tensors`` (exact tensors) at ``paths`` as :meth:`plan_tensor` does one by one;
+        False, with nothing planned, if the checkpoint lacks one of them."""
+        names = paths
+        if private:
+            prefix = rank_private_name("", self.rank)
+            names = [prefix + path for path in paths]
+        if not self.saved_tensors.issuperset(names):
+            return False
+        self.plan.tensors.update(zip(names, tensors, strict=True))
+        return True
+
+    def _plan_each(
+        self, items: dict | list, keys: list[Any], paths: list[str], private: bool
+    ) -> None:
+        """Plan ``items[key]``, an exact dict's or list's item, at its path, for each key in turn
+        (each item is read only then)."""
+        # Reading an item of an exact dict or list runs no code, so a tensor item is planned here
+        # without a call of visit_child (which reads it again); others are read once more, there.
+        for child_key, child_path in zip(keys, paths, strict=True):
+            if type(child := items[child_key]) in _TENSOR_TYPES:
+                self.plan_tensor(child, child_path, private)
+            else:
+                self.visit_child(items, child_key, child_path, private)
+
     def _visit_container_or_leaf(self, container: Any, key: Any, path: str, private: bool) -> None:
         """Plan ``container[key]``, a value that is not a tensor, ``PerRank`` or stateful."""
         value = container[key]
@@ -371,15 +531,11 @@ class _RestorePlanner:
             self._visit_leaf(container, key, value, path, private)
             return
         items = list(value) if isinstance(value, tuple) else value
-        # An exact dict or list runs no code when an item is read, so a tensor item is planned
-        # here without a call of visit_child (which reads it again); others are read once, there.
-        exact = type(items) is dict or type(items) is list
-        for child_key in list(_keys(items)):
-            child_path = join_path(path, child_key)
-            if exact and type(child := items[child_key]) in _TENSOR_TYPES:
-                self.plan_tensor(child, child_path, private)
-            else:
-                self.visit_child(items, child_key, child_path, private)
+        if type(items) is dict or type(items) is list:
+            self.plan_items(items, path, private)
+        else:  # a subclass's own methods read each item once, in visit_child
+            for child_key in list(_keys(items)):
+                self.visit_child(items, child_key, join_path(path, child_key), private)
         if isinstance(value, tuple):
             self.plan.finishers.append(
                 functools.partial(_set_tuple, container, key, type(value), items)
@@ -487,6 +643,31 @@ def _group_params(groups: list, kind: type) -> bool:
 
 def _keys(container: dict | list) -> Iterable[Any]:
     return container.keys() if isinstance(container, dict) else range(len(container))
+
+
+def _tensor_runs(types: list[type]) -> dict[int, int]:
+    """``start: stop`` of each run ``types[start:stop]`` of types in ``_TENSOR_TYPES`` to plan at
+    once, ``types`` being the types of a container's items: all of them if all are tensors, else
+    each run of at least ``_BATCH_MIN``."""
+    tensors = sum(map(types.count, _TENSOR_TYPES))
+    if tensors == len(types):
+        return {0: len(types)}
+    # The other items split the tensors into at most len(types) - tensors + 1 runs: where these
+    # average fewer than _BATCH_MIN tensors, the long runs (if any) do not pay for the search.
+    if tensors < _BATCH_MIN * (len(types) - tensors + 1):
+        return {}
+    flags = bytes(map(_TENSOR_TYPES.__contains__, types))
+    return {run.start(): run.end() for run in _TENSOR_RUN.finditer(flags)}
+
+
+def _read_tensors(items: dict | list, keys: list[Any]) -> list[torch.Tensor] | None:
+    """``items[key]`` for each key if each is still an exact tensor; None if one is not (or is
+    gone): the items were changed since they were first read."""
+    try:
+        values = [items[key] for key in keys]
+    except (KeyError, IndexError):
+        return None
+    return values if _exact_tensors(values) else None
 
 
 # The finishers are partials of these rather than lambdas: a lambda makes its function put the

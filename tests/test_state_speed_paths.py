@@ -8,7 +8,11 @@ Everything is real: real tensors, modules and optimizers; no checkpoint files ar
 from __future__ import annotations
 
 import copy
+import functools
+import sys
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
 
@@ -17,10 +21,12 @@ import torch
 from torch import nn
 
 from ckptmgr import CheckpointError, PerRank, StateDict
+from ckptmgr import state as state_module
 from ckptmgr.module_state import TrainingObjects
 from ckptmgr.objects import TAG
 from ckptmgr.state import (
     FlatState,
+    _RestorePlanner,
     flatten,
     join_path,
     plan_restore,
@@ -371,3 +377,527 @@ def test_positional_optimizer_state_dict_restores_from_an_optimizer_checkpoint(k
     assert restored["param_groups"][0]["params"] == expected["param_groups"][0]["params"]
     for index, entry in expected["state"].items():
         assert torch.equal(restored["state"][index]["exp_avg"], entry["exp_avg"])
+
+
+# --- Batched planning: an exact dict or list of many items is planned in batches -----------------
+#
+# Every test below compares plan_restore's plan (the stored names, their order, and the very tensor
+# objects) or its error with those of planning item by item: with walk_tensors, an oracle written
+# here, or with plan_restore itself with batching turned off. Sizes straddle the batch threshold.
+
+BATCH = state_module._BATCH_MIN
+SIZES = [BATCH - 1, BATCH, 5 * BATCH]
+
+Plan = list[tuple[str, torch.Tensor]]
+
+
+def walk_tensors(value: Any, path: str, rank: int = 0, private: bool = False) -> Plan:
+    """(stored name, tensor) of each tensor of ``value`` at ``path``, item by item in the order
+    plan_restore walks a state of dicts, lists, tuples, ``PerRank``, tensors and plain values."""
+    if isinstance(value, torch.Tensor):
+        return [(rank_private_name(path, rank) if private else path, value)]
+    if isinstance(value, PerRank):
+        return walk_tensors(value.value, path, rank, private=True)
+    if isinstance(value, StateDict):
+        return walk_tensors(value.state_dict(), path, rank, private)
+    if isinstance(value, dict):  # items read as plan_restore reads them: by key, or by index
+        items: Any = ((key, value[key]) for key in value.keys())
+    elif isinstance(value, list):
+        items = ((index, value[index]) for index in range(len(value)))
+    elif isinstance(value, tuple):
+        items = enumerate(value)
+    else:
+        return []
+    found: Plan = []
+    for key, item in items:
+        found += walk_tensors(item, join_path(path, key), rank, private)
+    return found
+
+
+def expected_plan(state: dict[Any, Any], rank: int = 0) -> Plan:
+    """The plan of ``state`` by :func:`walk_tensors`; a name found twice keeps its first place
+    and its last tensor, as assigning into a dict does."""
+    return list(dict(walk_tensors(state, "", rank)).items())
+
+
+def planned(
+    state: dict[Any, Any],
+    saved: Iterable[str],
+    objects: dict[str, Any],
+    rank: int = 0,
+    objects_rank: int | None = None,
+) -> Plan:
+    """(stored name, tensor) of each tensor plan_restore plans, in its order."""
+    return list(plan_restore(state, saved, objects, rank, objects_rank).tensors.items())
+
+
+def with_decoys(names: Iterable[str]) -> list[str]:
+    """``names`` and, for each, the name it would have if its keys were not escaped: a wrong
+    name then finds a tensor in the checkpoint, instead of falling back to the right one."""
+    names = list(names)
+    return names + [name.replace("%2F", "/").replace("%25", "%") for name in names]
+
+
+def assert_same_plan(got: Plan, expected: Plan) -> None:
+    """Same names in the same order, each with the very same tensor object."""
+    assert [name for name, _ in got] == [name for name, _ in expected]
+    for (name, tensor), (_, want) in zip(got, expected, strict=True):
+        assert tensor is want, name
+
+
+@contextmanager
+def batching_off() -> Iterator[None]:
+    """plan_restore plans every container item by item while this is active."""
+    batch_min = state_module._BATCH_MIN
+    state_module._BATCH_MIN = sys.maxsize
+    try:
+        yield
+    finally:
+        state_module._BATCH_MIN = batch_min
+
+
+def outcome(plan: Callable[[], Plan]) -> Plan | str:
+    """What ``plan()`` returns, or the type and message of the exception it raises."""
+    try:
+        return plan()
+    except Exception as exc:  # compared with the item-by-item outcome
+        return f"{type(exc).__name__}: {exc}"
+
+
+def assert_same_outcome_as_one_by_one(plan: Callable[[], Plan]) -> Plan | str:
+    """``plan()`` gives the same plan, or raises the same error, with batching on and off."""
+    batched = outcome(plan)
+    with batching_off():
+        one_by_one = outcome(plan)
+    if isinstance(one_by_one, str):
+        assert batched == one_by_one
+    else:
+        assert not isinstance(batched, str), batched
+        assert_same_plan(batched, one_by_one)
+    return batched
+
+
+KEY_STYLES: dict[str, Callable[[int], object]] = {
+    "plain": lambda i: f"p{i}",
+    "escaped": lambda i: f"optim/state/p{i}/exp_avg" if i % 3 else f"{i}%",
+    "int": lambda i: i,
+    "negative-int": lambda i: -i,
+    "str-and-int": lambda i: i if i % 2 else f"k{i}",
+    "str-and-int-escaped": lambda i: i if i % 2 else f"a/{i}%",
+    "empty-and-escapes-only": lambda i: "" if i == 0 else "/%" * (i % 3) + "/" * (i // 3),
+    "nul-escaped": lambda i: f"a\x00/{i}" if i % 5 == 0 else f"b/{i}",
+    "nul-plain": lambda i: f"a\x00{i}",
+    "shout": lambda i: Shout(f"s/{i}") if i % 7 == 0 else f"k/{i}",
+    "float": lambda i: i + 0.5,
+    "bool-then-int": lambda i: bool(i) if i < 2 else i,
+}
+
+
+@pytest.mark.parametrize("parent", [(), ("a/b", 7)], ids=["top", "nested"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("style", KEY_STYLES)
+def test_a_dict_of_tensors_plans_each_key_at_its_path_in_order(
+    style: str, n: int, parent: tuple[object, ...]
+) -> None:
+    keys = [KEY_STYLES[style](i) for i in range(n)]
+    tensors = [torch.zeros(1) for _ in keys]
+    inner: dict[Any, Any] = dict(zip(keys, tensors, strict=True))
+    state: dict[Any, Any] = inner
+    for key in reversed(parent):
+        state = {key: state}
+    prefix = ""
+    for key in parent:
+        prefix = join_path(prefix, key)
+    flat = flatten(state)
+    got = planned(state, with_decoys(flat.tensors), flat.objects)
+    assert [name for name, _ in got] == [join_path(prefix, key) for key in keys]
+    assert all(tensor is want for (_, tensor), want in zip(got, tensors, strict=True))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_lists_and_tuples_of_tensors_plan_each_index_in_order(n: int) -> None:
+    state = {
+        "list": [torch.zeros(1) for _ in range(n)],
+        "tuple": tuple(torch.zeros(1) for _ in range(n)),
+        "nested": [[torch.zeros(1) for _ in range(3)] for _ in range(n)],
+        "a/b": [nn.Parameter(torch.zeros(1)) for _ in range(n)],
+    }
+    flat = flatten(state)
+    got = planned(state, flat.tensors, flat.objects)
+    assert_same_plan(got, expected_plan(state))
+    assert [name for name, _ in got][: 2 * n : n] == ["list/0", "tuple/0"]
+    assert got[-1][0] == f"a%2Fb/{n - 1}"
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("inner", [1, 2, 3, BATCH])
+def test_dicts_of_tensors_plan_each_tensor_at_its_path_in_order(n: int, inner: int) -> None:
+    # Keyed like an optimizer's state: by parameter name, or by position; and below the top.
+    names = ["step", "exp_avg", "exp_avg_sq"] + [f"x{i}" for i in range(inner)]
+    for outer in (lambda i: f"layers.{i}.weight", lambda i: i):
+        state = {
+            "optim": {
+                "state": {outer(i): {k: torch.zeros(1) for k in names[:inner]} for i in range(n)}
+            },
+            **{outer(i): {k: torch.zeros(1) for k in names[:inner]} for i in range(n)},
+        }
+        flat = flatten(state)
+        got = planned(state, flat.tensors, flat.objects)
+        assert_same_plan(got, expected_plan(state))
+        assert got[0][0] == join_path(join_path("optim/state", outer(0)), "step")
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_dicts_that_do_not_hold_only_tensors_are_planned_item_by_item(n: int) -> None:
+    t = torch.zeros(1)
+    shapes: list[Callable[[int], Any]] = [
+        lambda i: {"a": torch.zeros(1), "step": i},  # a plain value
+        lambda i: {} if i == n // 2 else {"a": torch.zeros(1)},  # an empty dict: a plain value
+        lambda i: {"a/b" if i == n - 1 else "a": torch.zeros(1)},  # a key to escape
+        lambda i: {i: torch.zeros(1)},  # an int key
+        lambda i: {"a": torch.zeros(1).as_subclass(MyTensor) if i == 3 else torch.zeros(1)},
+        lambda i: OrderedDict(a=torch.zeros(1)) if i == 1 else {"a": torch.zeros(1)},
+        lambda i: {"a": [t, torch.zeros(1)]},
+    ]
+    for shape in shapes:
+        state = {"o": {f"p{i}": shape(i) for i in range(n)}}
+        flat = flatten(state)
+        got = planned(state, with_decoys(flat.tensors), flat.objects)
+        assert_same_plan(got, expected_plan(state))
+
+
+def mixed_items(n: int, seed: int) -> list[Any]:
+    """Runs of random tensors of every length around the batch threshold (and ``n``), between
+    items of every other kind."""
+    torch.manual_seed(seed)
+    others: list[Callable[[], Any]] = [
+        lambda: 5,
+        lambda: None,
+        lambda: "s",
+        lambda: {"x": torch.randn(1), "n": 2},
+        lambda: [torch.randn(1), (torch.randn(1), 3)],
+        lambda: PerRank({"seen": torch.randn(1)}),
+        lambda: StateDict(step=1, t=torch.randn(1)),
+        lambda: torch.randn(1).as_subclass(MyTensor),
+        lambda: {f"k{i}": torch.randn(1) for i in range(BATCH)},
+    ]
+    items: list[Any] = []
+    for index, run in enumerate([0, 1, BATCH - 1, BATCH, BATCH + 1, 2 * BATCH, n]):
+        items += [torch.randn(1) for _ in range(run)]
+        items.append(others[index % len(others)]())
+    return items
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("container", ["dict", "list"])
+def test_a_mix_of_tensors_and_other_items_plans_in_walk_order(n: int, container: str) -> None:
+    def make(seed: int) -> dict[str, Any]:
+        items = mixed_items(n, seed)
+        if container == "list":
+            return {"list": items}
+        return {f"i/{i}": item for i, item in enumerate(items)}
+
+    saved, target = make(0), make(1)
+    flat = flatten(saved, rank=2)
+    got = assert_same_outcome_as_one_by_one(
+        functools.partial(planned, target, flat.tensors, flat.objects, rank=2)
+    )
+    assert isinstance(got, list)
+    assert_same_plan(got, expected_plan(target, rank=2))
+    restore(target, flat, rank=2, objects_rank=2)
+    for (name, tensor), (_, want) in zip(
+        expected_plan(target, 2), expected_plan(saved, 2), strict=True
+    ):
+        assert torch.equal(tensor, want), name
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("rank", [0, 3])
+def test_per_rank_containers_plan_rank_private_names(n: int, rank: int) -> None:
+    state = {
+        "pr": PerRank({f"k/{i}": torch.zeros(1) for i in range(n)}),
+        "prl": PerRank([torch.zeros(1) for _ in range(n)]),
+        "prd": PerRank({i: {"exp_avg": torch.zeros(1)} for i in range(n)}),
+        "shared": {f"k{i}": torch.zeros(1) for i in range(n)},
+    }
+    flat = flatten(state, rank=rank)
+    got = planned(state, flat.tensors, flat.objects, rank=rank)
+    assert_same_plan(got, expected_plan(state, rank=rank))
+    assert got[0][0] == rank_private_name("pr/k%2F0", rank)
+    assert got[-1][0] == f"shared/k{n - 1}"
+    with pytest.raises(CheckpointError, match=r"per-rank state 'pr/k%2F0' has no copy for rank 1"):
+        planned(state, flat.tensors, flat.objects, rank=1)
+
+
+def test_a_tensor_subclass_among_tensors_takes_the_general_path_in_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    n = 3 * BATCH
+    tensors: list[torch.Tensor] = [torch.zeros(1) for _ in range(n)]
+    tensors[BATCH + 5] = torch.zeros(1).as_subclass(MyTensor)
+    tensors[2 * BATCH] = nn.Parameter(torch.zeros(1))
+    state = {
+        "d": {f"k{i}": t for i, t in enumerate(tensors)},
+        "l": list(tensors),
+        "dicts": {f"p{i}": {"a": t} for i, t in enumerate(tensors)},
+    }
+    flat = flatten(state)
+    visited: list[str] = []
+    visit_child = _RestorePlanner.visit_child
+
+    def recorded(self: _RestorePlanner, container: Any, key: Any, path: str, private: bool) -> None:
+        visited.append(path)
+        visit_child(self, container, key, path, private)
+
+    monkeypatch.setattr(_RestorePlanner, "visit_child", recorded)
+    got = planned(state, flat.tensors, flat.objects)
+    assert_same_plan(got, expected_plan(state))
+    subclassed = [f"d/k{BATCH + 5}", f"l/{BATCH + 5}", f"dicts/p{BATCH + 5}/a"]
+    assert set(subclassed) <= set(visited)
+    assert type(dict(got)[subclassed[0]]) is MyTensor
+    assert type(dict(got)[f"l/{2 * BATCH}"]) is nn.Parameter
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_the_first_missing_tensor_in_walk_order_is_named(n: int, where: str) -> None:
+    missing = {"first": 0, "middle": n // 2, "last": n - 1}[where]
+    shapes: list[Callable[[], Any]] = [
+        lambda: {f"w/{i}": torch.zeros(1) for i in range(n)},
+        lambda: {"l": [torch.zeros(1) for _ in range(n)]},
+        lambda: {"o": {f"p{i}": {"a": torch.zeros(1)} for i in range(n)}},
+        lambda: {"pr": PerRank({f"k{i}": torch.zeros(1) for i in range(n)})},
+    ]
+    for make in shapes:
+        state = make()
+        names = [name for name, _ in expected_plan(state)]
+        flat = flatten(state)
+        # The checkpoint lacks the tensor at `missing` and every one after it.
+        saved = names[:missing]
+        error = assert_same_outcome_as_one_by_one(
+            functools.partial(planned, state, saved, flat.objects)
+        )
+        assert isinstance(error, str)
+        name = names[missing]
+        path = split_rank_private(name)[1] if split_rank_private(name) else name
+        assert repr(path) in error, error
+
+
+@pytest.mark.parametrize("n", [BATCH, 5 * BATCH])
+def test_a_missing_item_before_a_missing_tensor_raises_its_own_error_first(n: int) -> None:
+    keys = [f"k{i}" for i in range(n)]
+    for plain_first in (True, False):
+        plain, tensor = (n // 4, n // 2) if plain_first else (n // 2, n // 4)
+        state: dict[str, Any] = {key: torch.zeros(1) for key in keys}
+        state[keys[plain]] = 7
+        flat = flatten(state)
+        saved = [name for name in flat.tensors if name != keys[tensor]]
+        objects = {k: v for k, v in flat.objects.items() if k != keys[plain]}
+        error = assert_same_outcome_as_one_by_one(functools.partial(planned, state, saved, objects))
+        first = keys[min(plain, tensor)]
+        assert isinstance(error, str) and f"key {first!r} of the state" in error, error
+
+
+@pytest.mark.parametrize("missing", [None, 3, 100])
+def test_a_key_whose_path_cannot_be_made_raises_in_its_turn(missing: int | None) -> None:
+    # str() of an int of more than 4,300 digits raises ValueError; a missing tensor before it
+    # is named first.
+    n = 2 * BATCH
+    huge = 10**5000
+    flat = flatten({i: torch.zeros(1) for i in range(n)})
+    state: dict[int, torch.Tensor] = {i: torch.zeros(1) for i in range(n)}
+    state[huge] = state.pop(50)
+    state.update({i: state.pop(i) for i in range(51, n)})  # the huge key at place 50
+    saved = [name for name in flat.tensors if name != str(missing)]
+    error = assert_same_outcome_as_one_by_one(functools.partial(planned, state, saved, {}))
+    assert isinstance(error, str)
+    if missing is not None and missing < 50:
+        assert error.startswith(f"CheckpointError: key '{missing}' of the state")
+    else:
+        assert error.startswith("ValueError: Exceeds the limit")
+
+
+def test_an_empty_dict_among_dicts_of_tensors_is_a_plain_value() -> None:
+    n = 2 * BATCH
+    flat = flatten({"o": {f"p{i}": {"a": torch.zeros(1)} for i in range(n)}})
+    state = {"o": {f"p{i}": {} if i == 5 else {"a": torch.zeros(1)} for i in range(n)}}
+    error = assert_same_outcome_as_one_by_one(
+        functools.partial(planned, state, flat.tensors, flat.objects)
+    )
+    assert isinstance(error, str) and "holds tensors under 'o/p5' but the state" in error, error
+
+
+def test_a_missing_tensor_in_dicts_of_tensors_is_named_in_walk_order() -> None:
+    n = 5 * BATCH
+    state = {"opt": {f"p{i}": {"a": torch.zeros(1), "b": torch.zeros(1)} for i in range(n)}}
+    flat = flatten(state)
+    saved = [name for name in flat.tensors if name not in ("opt/p9/a", "opt/p7/b")]
+    with pytest.raises(CheckpointError, match=r"key 'opt/p7/b' of the state to restore is missing"):
+        planned(state, saved, flat.objects)
+
+
+def test_plain_values_under_dicts_of_tensors_are_read_as_item_by_item() -> None:
+    # A dict at a path with plain values at or below it may be an optimizer.state_dict(): item
+    # by item, those values are read (here: one that cannot be decoded, which raises).
+    n = 2 * BATCH
+    for parent in ("o", ""):
+        inner = {f"p{i}": {"a": torch.zeros(1)} for i in range(n)}
+        inner[""] = {"a": torch.zeros(1)}
+        state = {parent: inner} if parent else inner
+        flat = flatten(state)
+        bad = join_path(join_path(parent, "p3"), "param_groups")
+        objects = {**flat.objects, bad: {TAG: "bogus"}}
+        error = assert_same_outcome_as_one_by_one(
+            functools.partial(planned, state, flat.tensors, objects)
+        )
+        assert error == "CheckpointError: unknown value tag 'bogus' in checkpoint objects"
+
+
+def test_keys_mapping_to_one_path_keep_the_first_place_and_the_last_tensor() -> None:
+    n = 2 * BATCH
+    keys: list[Any] = [f"{i}" for i in range(n)]
+    flat = flatten({key: torch.zeros(1) for key in keys})
+    state: dict[Any, Any] = {key: torch.zeros(1) for key in keys}
+    state[5] = torch.zeros(1)  # stored, like "5", as "5"
+    got = planned(state, flat.tensors, flat.objects)
+    assert_same_plan(got, expected_plan(state))
+    assert [name for name, _ in got] == keys and dict(got)["5"] is state[5]
+
+
+class Shadowed(dict):
+    """A dict whose ``[]`` gives another tensor for each key than its ``values()``."""
+
+    def __init__(self, items: dict[str, torch.Tensor]) -> None:
+        super().__init__(items)
+        self.shadow = {key: torch.ones(1) for key in items}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.shadow[key]
+
+
+class ShadowedList(list):
+    """A list whose ``[]`` gives another tensor for each index than iterating it."""
+
+    def __init__(self, items: list[torch.Tensor]) -> None:
+        super().__init__(items)
+        self.shadow = [torch.ones(1) for _ in items]
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.shadow[index]
+
+
+def test_subclassed_containers_of_many_tensors_are_walked_through_their_own_methods() -> None:
+    n = 2 * BATCH
+    state = {
+        "od": OrderedDict((f"k{i}", torch.zeros(1)) for i in range(n)),
+        "rev": ReversedItems((f"k{i}", torch.zeros(1)) for i in range(n)),
+        "ml": MyList(torch.zeros(1) for _ in range(n)),
+        "shadowed": Shadowed({f"k{i}": torch.zeros(1) for i in range(n)}),
+        "shadowed-list": ShadowedList([torch.zeros(1) for _ in range(n)]),
+        "in-list": [Shadowed({f"k{i}": torch.zeros(1) for i in range(3)}) for _ in range(n)],
+    }
+    flat = flatten(state)
+    got = planned(state, flat.tensors, flat.objects)
+    assert_same_plan(got, expected_plan(state))
+    assert dict(got)["shadowed/k0"] is state["shadowed"].shadow["k0"]
+
+
+class Rebinds:
+    """Stateful: its ``state_dict()`` runs ``change`` on the container it is in, as planning
+    calls it, before the items after it are planned."""
+
+    def __init__(self, container: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> None:
+        self.container = container
+        self.change = change
+
+    def state_dict(self) -> dict[str, Any]:
+        self.change(self.container)
+        return {"n": 1}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        del state_dict
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda d: d.__setitem__("k10", torch.ones(1)), id="new-tensor"),
+        pytest.param(lambda d: d.__setitem__("k10", 3), id="tensor-to-int"),
+        pytest.param(lambda d: d.__setitem__("k10", [torch.ones(1)]), id="tensor-to-list"),
+        pytest.param(lambda d: d.pop("k10"), id="deleted"),
+        pytest.param(lambda d: d.__setitem__("k0", torch.ones(1)), id="earlier-item"),
+    ],
+)
+def test_items_changed_by_an_earlier_items_planning_are_planned_as_they_are_then(
+    change: Callable[[dict[str, Any]], None],
+) -> None:
+    n = 3 * BATCH
+    checkpoint: dict[str, Any] = {f"k{i}": torch.zeros(1) for i in range(n)}
+    checkpoint["k1"] = StateDict(n=1)
+    flat = flatten(checkpoint)
+
+    def plan() -> list[tuple[str, float]] | str:
+        """(name, value) of each tensor planned for a new state (zeros; changed ones hold
+        ones), or the error."""
+        state: dict[str, Any] = {f"k{i}": torch.zeros(1) for i in range(n)}
+        state["k1"] = Rebinds(state, change)
+        got = outcome(functools.partial(planned, state, flat.tensors, flat.objects))
+        return got if isinstance(got, str) else [(name, float(t.sum())) for name, t in got]
+
+    batched = plan()
+    with batching_off():
+        assert batched == plan()
+    if not isinstance(batched, str):
+        assert [name for name, _ in batched] == [f"k{i}" for i in range(n) if i != 1]
+
+
+def test_large_containers_of_tensors_are_planned_without_a_call_per_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Guards that the tests above exercise the batches: plan_tensor plans one tensor at a time.
+    n = 2 * BATCH
+    state = {
+        "d": {f"k/{i}": torch.zeros(1) for i in range(n)},
+        "l": [torch.zeros(1) for _ in range(n)],
+        "dicts": {i: {"a": torch.zeros(1), "b": torch.zeros(1)} for i in range(n)},
+        "pr": PerRank({f"k{i}": torch.zeros(1) for i in range(n)}),
+        "mixed": {f"k{i}": 1 if i == n // 2 else torch.zeros(1) for i in range(3 * n)},
+    }
+    flat = flatten(state)
+    calls: list[str] = []
+    plan_tensor = _RestorePlanner.plan_tensor
+
+    def counted(self: _RestorePlanner, tensor: torch.Tensor, path: str, private: bool) -> None:
+        calls.append(path)
+        plan_tensor(self, tensor, path, private)
+
+    monkeypatch.setattr(_RestorePlanner, "plan_tensor", counted)
+    got = planned(state, flat.tensors, flat.objects)
+    assert_same_plan(got, expected_plan(state))
+    assert calls == []
+
+
+@pytest.mark.parametrize("positional", [False, True], ids=["optimizer", "optimizer-state-dict"])
+def test_an_optimizer_with_many_parameters_restores_its_state(positional: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(BATCH)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 2)).sum().backward()
+    optimizer.step()
+    flat = flatten({"model": model, "optim": optimizer})
+    assert sum(name.startswith("optim/state/") for name in flat.tensors) == 6 * BATCH
+
+    model2 = copy.deepcopy(model)
+    optimizer2 = torch.optim.Adam(model2.parameters(), lr=0.5)
+    if positional:
+        model2(torch.randn(3, 2)).sum().backward()
+        optimizer2.step()
+    target = {"model": model2, "optim": optimizer2.state_dict() if positional else optimizer2}
+    restore(target, flat)
+    restored = target["optim"] if positional else optimizer2.state_dict()
+    expected = optimizer.state_dict()
+    assert restored["param_groups"][0]["lr"] == 0.01
+    assert len(restored["state"]) == 2 * BATCH
+    for index, entry in expected["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(restored["state"][index][key], value), (index, key)
