@@ -148,6 +148,7 @@ class CheckpointManager:
         self._policy = _build_policy(config)
         self._records = pruning.RecordReader(self._storage)
         self._record_sections = packing.RecordSectionCache()  # used by the writer thread only
+        self._save_packer = packing.SavePacker()  # save()'s packing, on the writer thread only
         # Names packed into one item (ckptmgr.packing); None once the ranks' packs differed.
         self._pack_filter: packing.PackFilter | None = packing.pack_filter(self._comm.world_size)
         self._schedule = schedule_from(config.save_interval, config.save_policy, time.monotonic())
@@ -765,8 +766,8 @@ class CheckpointManager:
         assert self._pack_filter is not None
         fingerprint: str | None = None
         try:
-            packed, placed = packing.pack(tensors, self._pack_filter)
-            fingerprint = packing.fingerprint(placed)
+            packed, placed = self._save_packer.pack(tensors, self._pack_filter)
+            fingerprint = self._save_packer.fingerprint
         except Exception:  # every rank must reach the agreement; this one stores unpacked
             log.exception("packing small tensors failed; storing each on its own")
             packed, placed = tensors, {}

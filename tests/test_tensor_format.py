@@ -550,6 +550,32 @@ def test_shape_changes_between_async_saves_restore_bit_exact(
             assert_bit_equal(target, saved[step], f"step {step}")
 
 
+def test_shape_changes_between_saves_restore_bit_exact(tmp_path: Path) -> None:
+    """save() reuses its pack layout (and so the record section) while the state keeps its
+    layout, and lays the pack out anew when it changes: steps 1 (A), 2 (the same tensors, all
+    overwritten since), 3 (B) and 4 (A again) each restore to what was saved at that step."""
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    sections = {}
+    with manager(tmp_path) as mgr:
+        state = shaped_state(SHAPES_A, seed=1)
+        for step, shapes in ((1, None), (2, None), (3, SHAPES_B), (4, SHAPES_A)):
+            if shapes is not None:
+                state = shaped_state(shapes, seed=step)
+            saved[step] = snapshot(state)
+            assert mgr.save(step, state)
+            sections[step] = mgr._record_sections._last[2]  # internal: the cached section
+            scribble(state)
+        assert sections[1] is sections[2] and len({id(sections[n]) for n in (2, 3, 4)}) == 3
+        for step in (4, 3, 2, 1):
+            record = read_record(tmp_path, step)
+            assert {key: entry["shape"] for key, entry in record["tensors"].items()} == {
+                key: list(t.shape) for key, t in saved[step].items()
+            }
+            target = zeros_like_state(saved[step])
+            mgr.restore(step, target)
+            assert_bit_equal(target, saved[step], f"step {step}")
+
+
 # -- destinations that do not match ----------------------------------------------------------------
 def packed_state() -> dict[str, torch.Tensor]:
     """Many small tensors (packed together) and one big one."""
