@@ -132,6 +132,8 @@ def flatten(state: Mapping[str, Any], rank: int = 0) -> FlatState:
     if not isinstance(state, Mapping):
         raise CheckpointError(f"state_dict must be a dict, got {type(state).__qualname__}")
     flattener = _Flattener(TrainingObjects(state), rank)
+    if type(state) is dict and flattener.add_tensors(state, "", private=False):
+        return flattener.flat
     for key, value in state.items():
         if type(value) in _TENSOR_TYPES:  # the most common item, without a call of visit()
             flattener._add_tensor(value, join_path("", key), private=False)
@@ -165,6 +167,8 @@ class _Flattener:
             if not isinstance(value, (dict, list, tuple)):
                 self._add_plain(value, path)
                 return
+        if (kind is dict or kind is list) and self.add_tensors(value, path, private):
+            return
         if not _needs_walk(value):
             self._add_plain(value, path)
             return
@@ -174,6 +178,34 @@ class _Flattener:
                 self._add_tensor(item, item_path, private)
             else:
                 self.visit(item, item_path, private)
+
+    def add_tensors(self, items: dict | list, path: str, private: bool) -> bool:
+        """Store every item of ``items``, an exact dict or list at ``path``, at once when there
+        are many and all are exact tensors (a model's or a flat state dict): as
+        :meth:`_add_tensor` one by one would. False, with nothing stored, when they do not
+        qualify, or when a name collides (the items one by one then raise for the first)."""
+        if len(items) < _BATCH_MIN:
+            return False
+        values = list(items.values()) if type(items) is dict else items
+        if not _exact_tensors(values):
+            return False
+        keys = list(items) if type(items) is dict else list(range(len(items)))
+        names = _join_paths(path, keys)
+        if names is None:
+            return False
+        if private:
+            prefix = rank_private_name("", self.rank)
+            names = [prefix + name for name in names]
+        tensors = self.flat.tensors
+        if not (tensors.keys().isdisjoint(names) and self.flat.objects.keys().isdisjoint(names)):
+            return False
+        count = len(tensors)
+        tensors.update(zip(names, values, strict=True))
+        if len(tensors) != count + len(names):  # two keys of one path (3 and "3")
+            for name in names:
+                tensors.pop(name, None)
+            return False
+        return True
 
     def _add_tensor(self, tensor: torch.Tensor, path: str, private: bool) -> None:
         """Store ``tensor`` under ``path`` (its rank-private name under ``PerRank``)."""

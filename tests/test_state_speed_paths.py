@@ -901,3 +901,108 @@ def test_an_optimizer_with_many_parameters_restores_its_state(positional: bool) 
     for index, entry in expected["state"].items():
         for key, value in entry.items():
             assert torch.equal(restored["state"][index][key], value), (index, key)
+
+
+# --- Batched flatten: an exact dict or list of many tensors is stored at once -------------------
+def flattened(state: Any, rank: int = 0) -> Plan:
+    """(stored name, tensor) of each tensor flatten() stores, in its order; its plain values
+    must be the same with batching on and off too (checked by the caller's comparison)."""
+    flat = flatten(state, rank)
+    return [
+        *flat.tensors.items(),
+        *(("plain:" + path, value) for path, value in flat.objects.items()),
+    ]
+
+
+def assert_same_flat_as_one_by_one(state: Any, rank: int = 0) -> Plan | str:
+    """flatten() stores the same (or raises the same) with batching on and off."""
+    batched = outcome(lambda: flattened(state, rank))
+    with batching_off():
+        one_by_one = outcome(lambda: flattened(state, rank))
+    if isinstance(one_by_one, str):
+        assert batched == one_by_one
+    else:
+        assert not isinstance(batched, str), batched
+        assert [name for name, _ in batched] == [name for name, _ in one_by_one]
+        for (name, value), (_, want) in zip(batched, one_by_one, strict=True):
+            assert value is want or (name.startswith("plain:") and value == want), name
+    return batched
+
+
+@pytest.mark.parametrize("parent", [(), ("a/b", 7)], ids=["top", "nested"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("style", KEY_STYLES)
+def test_flatten_stores_a_dict_of_tensors_at_each_keys_path_in_order(
+    style: str, n: int, parent: tuple[object, ...]
+) -> None:
+    make_key = KEY_STYLES[style]
+    container = {make_key(i): torch.full((1,), float(i)) for i in range(n)}
+    state: dict[Any, Any] = {"before": torch.ones(1), "plain": 3}
+    inner: dict[Any, Any] = state
+    for key in parent:
+        inner[key] = inner = {}
+    inner["x"] = container
+    state["after"] = torch.zeros(1)
+    got = assert_same_flat_as_one_by_one(state)
+    assert not isinstance(got, str), got
+    assert_same_plan(got[:-1], expected_plan(state))
+    assert got[-1] == ("plain:plain", 3)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("rank", [0, 3])
+def test_flatten_stores_lists_and_per_rank_containers_of_tensors(n: int, rank: int) -> None:
+    tensors = [torch.full((1,), float(i)) for i in range(n)]
+    state = {
+        "list": list(tensors),
+        "private": PerRank({f"k/{i}": t for i, t in enumerate(tensors)}),
+        "private_list": PerRank(list(tensors)),
+    }
+    got = assert_same_flat_as_one_by_one(state, rank)
+    assert not isinstance(got, str)
+    assert_same_plan(got, expected_plan(state, rank))
+
+
+@pytest.mark.parametrize("where", [0, 40, BATCH * 2 - 1])
+def test_flatten_of_many_tensors_under_keys_of_one_path_raises_as_one_by_one(where: int) -> None:
+    """3 and "3" in one dict of many tensors: the same error as item by item, nothing kept."""
+    container: dict[Any, torch.Tensor] = {i: torch.ones(1) for i in range(BATCH * 2)}
+    container[str(where)] = torch.zeros(1)
+    got = assert_same_flat_as_one_by_one({"big": container})
+    assert got == f"CheckpointError: {_collision_message(f'big/{where}')}"
+
+
+def _collision_message(path: str) -> str:
+    return (
+        f"two entries of the state map to the same path {path!r} (keys like 3 and '3' in one dict)"
+    )
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_flatten_of_tensors_with_other_items_or_subclasses_stores_them_one_by_one(n: int) -> None:
+    tensors = {f"t{i}": torch.full((1,), float(i)) for i in range(n)}
+    for odd in ({"plain": 1}, {"sub": torch.ones(2).as_subclass(MyTensor)}, {"none": None}):
+        state = {"x": {**tensors, **odd}, "y": [*tensors.values(), *odd.values()]}
+        assert_same_flat_as_one_by_one(state)
+
+
+def test_a_large_flat_state_is_flattened_without_a_call_per_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    real = state_module._Flattener._add_tensor
+
+    def counting(self: Any, tensor: torch.Tensor, path: str, private: bool) -> None:
+        calls.append(path)
+        real(self, tensor, path, private)
+
+    monkeypatch.setattr(state_module._Flattener, "_add_tensor", counting)
+    flat_state = {f"optim/state/p{i}/exp_avg": torch.ones(1) for i in range(5 * BATCH)}
+    assert len(flatten(flat_state).tensors) == 5 * BATCH
+    state = {  # (a container that mixes tensors with other items stores them one by one)
+        "model": {f"layer{i}.weight": torch.ones(1) for i in range(5 * BATCH)},
+        "buffers": [torch.ones(1) for _ in range(5 * BATCH)],
+    }
+    flat = flatten(state)
+    assert len(flat.tensors) == 10 * BATCH
+    assert calls == []
