@@ -48,6 +48,14 @@ class _Run:
         self.outs: list[torch.Tensor] = []
         self.sizes: list[int] = []
 
+    def take(self, out: torch.Tensor, numel: int, nbytes: int) -> int:
+        """Append the tensor at ``end`` (``numel`` items, ``nbytes`` bytes) copied into
+        ``out``; returns ``nbytes``."""
+        self.outs.append(out)
+        self.sizes.append(numel)
+        self.end += nbytes
+        return nbytes
+
 
 _Later = tuple[torch.Tensor, torch.Tensor, list[int]]
 """(destination, piece, stored shape) of a destination that is not copied into directly."""
@@ -173,11 +181,7 @@ def _cut_into_runs(
         if run is None or offset != run.end or each.dtype is not run.dtype:
             run = _Run(offset, each.dtype, None)
             runs.append(run)
-        run.outs.append(out)
-        run.sizes.append(numel)
-        nbytes = numel * each.itemsize
-        run.end = offset + nbytes
-        wanted_bytes += nbytes
+        wanted_bytes += run.take(out, numel, numel * each.itemsize)
     return runs, wanted_bytes
 
 
@@ -249,11 +253,7 @@ def _matched_runs(
         if run is None or offset != run.end or dtype is not run.dtype:
             run = open_runs[device] = _Run(offset, dtype, device)
             runs.append(run)
-        run.outs.append(out)
-        run.sizes.append(numel)
-        nbytes = numel * stored.itemsize
-        run.end = offset + nbytes
-        wanted_bytes += nbytes
+        wanted_bytes += run.take(out, numel, numel * stored.itemsize)
         wanted_count += 1
     return to_load, runs, later, wanted_bytes, wanted_count
 
