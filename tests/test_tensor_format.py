@@ -525,6 +525,21 @@ SHAPES_B: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
 }
 
 
+def assert_each_step_restores(
+    mgr: CheckpointManager, root: Path, saved: dict[int, dict[str, torch.Tensor]]
+) -> None:
+    """Each step's record describes the shapes saved at that step, and the step restores to
+    those values bit-exact (newest first)."""
+    for step in sorted(saved, reverse=True):
+        record = read_record(root, step)
+        assert {key: entry["shape"] for key, entry in record["tensors"].items()} == {
+            key: list(t.shape) for key, t in saved[step].items()
+        }
+        target = zeros_like_state(saved[step])
+        mgr.restore(step, target)
+        assert_bit_equal(target, saved[step], f"step {step}")
+
+
 @pytest.mark.parametrize("max_pending_async", [1, 2])
 def test_shape_changes_between_async_saves_restore_bit_exact(
     tmp_path: Path, max_pending_async: int
@@ -540,14 +555,7 @@ def test_shape_changes_between_async_saves_restore_bit_exact(
             scribble(state)
         mgr.join()
         assert mgr.all_steps() == [1, 2, 3]
-        for step in (3, 2, 1):
-            record = read_record(tmp_path, step)
-            assert {key: entry["shape"] for key, entry in record["tensors"].items()} == {
-                key: list(t.shape) for key, t in saved[step].items()
-            }
-            target = zeros_like_state(saved[step])
-            mgr.restore(step, target)
-            assert_bit_equal(target, saved[step], f"step {step}")
+        assert_each_step_restores(mgr, tmp_path, saved)
 
 
 def test_shape_changes_between_saves_restore_bit_exact(tmp_path: Path) -> None:
@@ -566,14 +574,7 @@ def test_shape_changes_between_saves_restore_bit_exact(tmp_path: Path) -> None:
             sections[step] = mgr._record_sections._last[2]  # internal: the cached section
             scribble(state)
         assert sections[1] is sections[2] and len({id(sections[n]) for n in (2, 3, 4)}) == 3
-        for step in (4, 3, 2, 1):
-            record = read_record(tmp_path, step)
-            assert {key: entry["shape"] for key, entry in record["tensors"].items()} == {
-                key: list(t.shape) for key, t in saved[step].items()
-            }
-            target = zeros_like_state(saved[step])
-            mgr.restore(step, target)
-            assert_bit_equal(target, saved[step], f"step {step}")
+        assert_each_step_restores(mgr, tmp_path, saved)
 
 
 # -- destinations that do not match ----------------------------------------------------------------
