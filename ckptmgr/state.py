@@ -180,30 +180,50 @@ class _Flattener:
                 self.visit(item, item_path, private)
 
     def add_tensors(self, items: dict | list, path: str, private: bool) -> bool:
-        """Store every item of ``items``, an exact dict or list at ``path``, at once when there
-        are many and all are exact tensors (a model's or a flat state dict): as
-        :meth:`_add_tensor` one by one would. False, with nothing stored, when they do not
-        qualify, or when a name collides (the items one by one then raise for the first)."""
+        """Store the tensors of ``items``, an exact dict or list at ``path``, at once when there
+        are many items and all are exact tensors (a model's or a flat state dict), or all are
+        non-empty exact dicts of exact tensors under keys with nothing to escape (an optimizer's
+        state of each parameter): as :meth:`visit` would one by one. False, with nothing stored,
+        when they do not qualify, or when a name collides (the items one by one then raise for
+        the first)."""
         if len(items) < _BATCH_MIN:
             return False
         values = list(items.values()) if type(items) is dict else items
-        if not _exact_tensors(values):
+        kinds = set(map(type, values))
+        nested = kinds == {dict}
+        if nested:
+            if not all(values):  # an empty dict is a plain value
+                return False
+            tensors = list(chain.from_iterable(map(dict.values, values)))
+            inner_keys = list(chain.from_iterable(values))
+            if not (_exact_tensors(tensors) and _unescaped_strs(inner_keys)):
+                return False
+        elif kinds <= _TENSOR_TYPES:
+            tensors = values
+        else:
             return False
-        keys = list(items) if type(items) is dict else list(range(len(items)))
-        names = _join_paths(path, keys)
-        if names is None:
+        names = _join_paths(path, list(items) if type(items) is dict else range(len(items)))
+        if names is None or (nested and "" in names):  # ("" + "/key" is not the key's path)
             return False
+        if nested:
+            parents = zip(names, values, strict=True)
+            names = [f"{name}/{key}" for name, child in parents for key in child]
         if private:
             prefix = rank_private_name("", self.rank)
             names = [prefix + name for name in names]
-        tensors = self.flat.tensors
-        if not (tensors.keys().isdisjoint(names) and self.flat.objects.keys().isdisjoint(names)):
+        return self._add_all(names, tensors)
+
+    def _add_all(self, names: list[str], tensors: list[torch.Tensor]) -> bool:
+        """Store ``tensors`` under ``names`` (in order), unless a name is taken already or
+        given twice: then False, with nothing stored."""
+        stored = self.flat.tensors
+        if not (stored.keys().isdisjoint(names) and self.flat.objects.keys().isdisjoint(names)):
             return False
-        count = len(tensors)
-        tensors.update(zip(names, values, strict=True))
-        if len(tensors) != count + len(names):  # two keys of one path (3 and "3")
+        count = len(stored)
+        stored.update(zip(names, tensors, strict=True))
+        if len(stored) != count + len(names):  # two keys of one path (3 and "3")
             for name in names:
-                tensors.pop(name, None)
+                stored.pop(name, None)
             return False
         return True
 

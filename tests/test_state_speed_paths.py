@@ -1006,3 +1006,88 @@ def test_a_large_flat_state_is_flattened_without_a_call_per_tensor(
     flat = flatten(state)
     assert len(flat.tensors) == 10 * BATCH
     assert calls == []
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("inner", [1, 3])
+@pytest.mark.parametrize("style", ["plain", "escaped", "int", "str-and-int-escaped", "float"])
+def test_flatten_stores_dicts_of_tensor_dicts_at_each_path_in_order(
+    style: str, inner: int, n: int
+) -> None:
+    """An optimizer's state: per parameter, a dict of a few tensors."""
+    make_key = KEY_STYLES[style]
+    names = ["step", "exp_avg", "exp_avg_sq"][:inner]
+    container = {
+        make_key(i): {name: torch.full((1,), float(i)) for name in names} for i in range(n)
+    }
+    for state in ({"optim": {"state": container}}, {"l": list(container.values())}, container):
+        got = assert_same_flat_as_one_by_one(state)
+        assert not isinstance(got, str), got
+        assert_same_plan(got, expected_plan(state))
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        "an empty dict",
+        "a plain value inside",
+        "a key to escape inside",
+        "an int key inside",
+        "a subclass inside",
+        "top-level key ''",
+        "keys 3 and '3'",
+        "per-rank",
+    ],
+)
+def test_flatten_of_dicts_of_tensor_dicts_with_one_odd_one_is_as_one_by_one(odd: str) -> None:
+    container: dict[Any, Any] = {
+        i: {"exp_avg": torch.full((1,), float(i)), "exp_avg_sq": torch.ones(1)}
+        for i in range(2 * BATCH)
+    }
+    middle = container[BATCH]
+    state: dict[Any, Any] = {"state": container}
+    if odd == "an empty dict":
+        container[BATCH] = {}
+    elif odd == "a plain value inside":
+        middle["step"] = 3
+    elif odd == "a key to escape inside":
+        middle["a/b"] = torch.ones(1)
+    elif odd == "an int key inside":
+        middle[0] = torch.ones(1)
+    elif odd == "a subclass inside":
+        middle["sub"] = torch.ones(1).as_subclass(MyTensor)
+    elif odd == "top-level key ''":
+        state = {str(key): value for key, value in container.items()}
+        state[""] = state.pop(str(BATCH))
+    elif odd == "keys 3 and '3'":
+        container["3"] = {"exp_avg": torch.zeros(1)}
+    else:
+        state = {"state": PerRank(container)}
+    got = assert_same_flat_as_one_by_one(state, rank=2)
+    if odd == "keys 3 and '3'":
+        assert got == f"CheckpointError: {_collision_message('state/3/exp_avg')}"
+    else:
+        assert not isinstance(got, str), got
+
+
+def test_an_optimizer_like_state_is_flattened_without_a_call_per_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    real = state_module._Flattener._add_tensor
+
+    def counting(self: Any, tensor: torch.Tensor, path: str, private: bool) -> None:
+        calls.append(path)
+        real(self, tensor, path, private)
+
+    monkeypatch.setattr(state_module._Flattener, "_add_tensor", counting)
+    state = {
+        "optim": {
+            "state": {
+                i: {"exp_avg": torch.ones(1), "exp_avg_sq": torch.ones(1)} for i in range(200)
+            }
+        }
+    }
+    flat = flatten(state)
+    assert list(flat.tensors)[:2] == ["optim/state/0/exp_avg", "optim/state/0/exp_avg_sq"]
+    assert len(flat.tensors) == 400 and calls == []
