@@ -986,9 +986,8 @@ def test_flatten_of_tensors_with_other_items_or_subclasses_stores_them_one_by_on
         assert_same_flat_as_one_by_one(state)
 
 
-def test_a_large_flat_state_is_flattened_without_a_call_per_tensor(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def tensors_added_one_by_one(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths flatten() stores a tensor at one by one from now on (a batch adds none)."""
     calls: list[str] = []
     real = state_module._Flattener._add_tensor
 
@@ -997,6 +996,13 @@ def test_a_large_flat_state_is_flattened_without_a_call_per_tensor(
         real(self, tensor, path, private)
 
     monkeypatch.setattr(state_module._Flattener, "_add_tensor", counting)
+    return calls
+
+
+def test_a_large_flat_state_is_flattened_without_a_call_per_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = tensors_added_one_by_one(monkeypatch)
     flat_state = {f"optim/state/p{i}/exp_avg": torch.ones(1) for i in range(5 * BATCH)}
     assert len(flatten(flat_state).tensors) == 5 * BATCH
     state = {  # (a container that mixes tensors with other items stores them one by one)
@@ -1073,14 +1079,7 @@ def test_flatten_of_dicts_of_tensor_dicts_with_one_odd_one_is_as_one_by_one(odd:
 def test_an_optimizer_like_state_is_flattened_without_a_call_per_tensor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls: list[str] = []
-    real = state_module._Flattener._add_tensor
-
-    def counting(self: Any, tensor: torch.Tensor, path: str, private: bool) -> None:
-        calls.append(path)
-        real(self, tensor, path, private)
-
-    monkeypatch.setattr(state_module._Flattener, "_add_tensor", counting)
+    calls = tensors_added_one_by_one(monkeypatch)
     state = {
         "optim": {
             "state": {
