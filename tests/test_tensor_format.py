@@ -814,6 +814,47 @@ def test_format_1_step_restores_bit_exact_read_only(format_v1_root: Path, steppe
     assert_bit_equal(as_saved(state), expected)
 
 
+@pytest.fixture
+def format_v2_root(tmp_path: Path) -> Path:
+    """A copy of tests/data/format_v2 (format_version 2: raw bytes, ``tensors`` and ``packed``
+    as dicts), written by ckptmgr 8e76c99 from the state of format_v1_expected.pt (restored from
+    tests/data/format_v1 into :func:`format_v1_state`, then saved as step 5)."""
+    root = tmp_path / "format_v2"
+    shutil.copytree(DATA / "format_v2", root)
+    record = read_record(root, 5)
+    assert record["format_version"] == 2
+    assert record["packed"] and set(record["packed"]) < set(record["tensors"])
+    return root
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh_optimizer", "stepped_optimizer"])
+def test_format_2_step_restores_bit_exact_read_only(format_v2_root: Path, stepped: bool) -> None:
+    """A step of format 2 (its packed and unpacked tensors) restores exactly as it was saved."""
+    expected = torch.load(DATA / "format_v1_expected.pt", weights_only=True)
+    state = format_v1_state(stepped)
+    with manager(format_v2_root, read_only=True) as mgr:
+        assert mgr.all_steps() == [5]
+        mgr.verify(5, deep=True)
+        mgr.restore(5, state)
+    assert_bit_equal(as_saved(state), expected)
+
+
+def test_format_2_and_new_steps_live_side_by_side(format_v2_root: Path) -> None:
+    """A writing manager over a root of format 2 adds new steps; old and new both restore."""
+    expected = torch.load(DATA / "format_v1_expected.pt", weights_only=True)
+    with manager(format_v2_root) as mgr:
+        state = format_v1_state()
+        mgr.restore(5, state)
+        state["epoch"] = 4
+        assert mgr.save(6, state)
+        old, new = format_v1_state(), format_v1_state()
+        mgr.restore(5, old)
+        assert mgr.restore_latest(new) == 6
+    assert_bit_equal(as_saved(old), expected)
+    assert_bit_equal(as_saved(new), {**expected, "epoch": 4})
+    assert read_record(format_v2_root, 5)["format_version"] == 2  # left as it was
+
+
 class _Payload:
     """Unpickling this would create the file at ``path``."""
 
