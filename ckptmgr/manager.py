@@ -147,7 +147,7 @@ class CheckpointManager:
         self._comm = Collectives(config.process_group, config.collective_timeout_s)
         self._policy = _build_policy(config)
         self._records = pruning.RecordReader(self._storage)
-        self._record_sections = packing.RecordSectionCache()  # used by the writer thread only
+        self._record_tables = packing.RecordTableCache()  # used by the writer thread only
         self._save_packer = packing.SavePacker()  # save()'s packing, on the writer thread only
         # Names packed into one item (ckptmgr.packing); None once the ranks' packs differed.
         self._pack_filter: packing.PackFilter | None = packing.pack_filter(self._comm.world_size)
@@ -794,7 +794,7 @@ class CheckpointManager:
         try:
             with gc_paused():  # the first save of a layout makes an entry per packed tensor
                 entries = _tensor_entries(dcp_metadata)
-                section = self._record_sections.section(entries, request.packed)
+                table = self._record_tables.table(entries, request.packed)
             record = CommitRecord(
                 step=request.step,
                 save_id=save_id,
@@ -807,8 +807,8 @@ class CheckpointManager:
                 ckptmgr_version=__version__,
                 torch_version=torch.__version__,
                 byteorder=sys.byteorder,
+                tensor_table=table,
             )
-            record.use_section(section)
             if self._lease is not None:  # a lease found lost while writing: commit nothing
                 self._lease.check()
             self._storage.commit(request.step, write_dir, record)
@@ -992,7 +992,7 @@ class CheckpointManager:
                 step, objects_file_name(objects_rank), expected
             )
             plan = plan_restore(
-                state_dict, record.tensors, saved_objects, self._comm.rank, objects_rank
+                state_dict, record.tensor_table.names, saved_objects, self._comm.rank, objects_rank
             )
             to_load, unpack = pack_load.split_for_load(plan.tensors, record)
             # Work the caller still has queued on the destinations (on any stream) ends before

@@ -14,12 +14,13 @@ import math
 import operator
 import traceback
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.packing import PACK_KEY
-from ckptmgr.record import CommitRecord, TensorEntry
+from ckptmgr.record import CommitRecord, TensorTable
 from ckptmgr.tensor_bytes import check_all_restorable
 
 try:
@@ -79,11 +80,11 @@ def split_for_load(
     now, before anything is read or written; a record that packs a tensor it does not describe,
     or outside the pack, raises ``CorruptCheckpointError``.
     """
-    packed = record.packed
-    if not packed:
+    table = record.tensor_table
+    if table.pack_offsets.count(None) == len(table.pack_offsets):  # nothing packed
         return dict(destinations), _nothing
     dtypes: dict[str, _StoredDtype] = {}
-    direct = _direct_runs(destinations, record, dtypes)
+    direct = _direct_runs(destinations, table, dtypes)
     if direct is not None:
         to_load: dict[str, torch.Tensor] = {}
         later: list[_Later] = []
@@ -91,7 +92,7 @@ def split_for_load(
         wanted_count = len(destinations)
     else:
         to_load, runs, later, wanted_bytes, wanted_count = _matched_runs(
-            destinations, record, dtypes
+            destinations, table, dtypes
         )
     if not runs:
         return to_load, _nothing
@@ -101,7 +102,6 @@ def split_for_load(
     return to_load, lambda: _unpack(buffer, runs, later, destinations)
 
 
-_SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _IS_CPU = operator.attrgetter("is_cpu")
 _ONES = itertools.repeat(1)  # (endless and stateless: shared by every call)
@@ -109,7 +109,7 @@ _ONES = itertools.repeat(1)  # (endless and stateless: shared by every call)
 
 def _direct_runs(
     destinations: Mapping[str, torch.Tensor],
-    record: CommitRecord,
+    table: TensorTable,
     dtypes: dict[str, _StoredDtype],
 ) -> tuple[list[_Run], int] | None:
     """(runs, bytes they span) of :func:`split_for_load` for the usual restore: every
@@ -122,14 +122,22 @@ def _direct_runs(
     20,000 tensors of 1 KiB here.
     """
     keys = list(destinations)
-    offsets = list(map(record.packed.get, keys))
-    if None in offsets:
+    if keys == table.names:  # the usual case: the state as it was saved, in the same order
+        found, names, shapes = table.pack_offsets, table.dtypes, table.shapes
+    else:
+        positions = list(map(table.index.get, keys))
+        if None in positions:
+            return None
+        at = cast(list[int], positions)
+        found = list(map(table.pack_offsets.__getitem__, at))
+        names = list(map(table.dtypes.__getitem__, at))
+        shapes = list(map(table.shapes.__getitem__, at))
+    if None in found:
         return None
+    offsets = cast(list[int], found)
     dests = list(destinations.values())
     if not set(map(type, dests)) <= _PLAIN_TENSOR_TYPES_SET:
         return None
-    entries = list(map(record.tensors.__getitem__, keys))  # (the record's packed are described)
-    names = list(map(_DTYPE, entries))
     by_name: dict[str, _StoredDtype] = {}
     for name in set(names):
         dtype = getattr(torch, name, None)
@@ -142,7 +150,6 @@ def _direct_runs(
         return None
     # Shapes: equal number of dimensions and of elements is equal shape up to 1-d; only the
     # destinations of more dimensions have theirs read (a torch.Size made for each costs more).
-    shapes = list(map(_SHAPE, entries))
     dims = list(map(len, shapes))
     numels = list(map(math.prod, shapes))
     if list(map(torch.Tensor.dim, dests)) != dims or list(map(torch.Tensor.numel, dests)) != numels:
@@ -187,35 +194,34 @@ def _cut_into_runs(
 
 def _matched_runs(
     destinations: Mapping[str, torch.Tensor],
-    record: CommitRecord,
+    table: TensorTable,
     dtypes: dict[str, _StoredDtype],
 ) -> tuple[dict[str, torch.Tensor], list[_Run], list[_Later], int, int]:
     """(destinations to load on their own, runs, later copies, bytes and count of the packed
     tensors wanted): :func:`split_for_load`'s match of every destination against the record,
     one at a time, for destinations of any kind and any subset and order of the stored ones."""
-    packed = record.packed
+    index, offsets = table.index, table.pack_offsets
+    dtype_names, shapes = table.dtypes, table.shapes
     to_load: dict[str, torch.Tensor] = {}
     runs: list[_Run] = []
     later: list[_Later] = []
-    tensors = record.tensors
     open_runs: dict[torch.device | None, _Run] = {}  # per device, its latest run
     wanted_bytes = wanted_count = 0
     # Every torch call below costs 0.1-0.3 µs, and there are tens of thousands of tensors: the
     # loop makes as few as its checks need (no numel(), which the stored shape gives, and no
     # is_conj() unless the dtype is complex).
     for key, dest in destinations.items():
-        offset = packed.get(key)
-        if offset is None:
+        position = index.get(key)
+        if position is None or offsets[position] is None:
             to_load[key] = dest
             continue
-        entry = tensors.get(key)
-        if entry is None:
-            raise CorruptCheckpointError(f"the record packs {key!r} but does not describe it")
-        stored = dtypes.get(entry.dtype) or dtypes.setdefault(
-            entry.dtype, _stored_dtype(key, entry)
+        offset = offsets[position]
+        dtype_name = dtype_names[position]
+        stored = dtypes.get(dtype_name) or dtypes.setdefault(
+            dtype_name, _stored_dtype(key, dtype_name)
         )
         dtype = stored.dtype
-        shape = entry.shape
+        shape = shapes[position]
         if dest.shape != tuple(shape):  # torch.Size is a tuple
             raise CheckpointError(
                 f"{key!r}: the checkpoint holds shape {list(shape)}, the state to restore "
@@ -225,7 +231,7 @@ def _matched_runs(
         if offset % stored.itemsize:  # (ckptmgr aligns every packed tensor to its item size)
             raise CorruptCheckpointError(
                 f"the record places the packed tensor {key!r} at offset {offset}, not aligned "
-                f"to its {entry.dtype} items"
+                f"to its {dtype_name} items"
             )
         device: torch.device | None = None  # where ``out`` lies: None for the CPU
         if (
@@ -278,10 +284,10 @@ class _StoredDtype:
         self.is_complex = dtype.is_complex
 
 
-def _stored_dtype(key: str, entry: TensorEntry) -> _StoredDtype:
-    dtype = getattr(torch, entry.dtype, None)
+def _stored_dtype(key: str, dtype_name: str) -> _StoredDtype:
+    dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpointError(f"{key!r} has the unknown dtype {entry.dtype!r}")
+        raise CorruptCheckpointError(f"{key!r} has the unknown dtype {dtype_name!r}")
     return _StoredDtype(dtype)
 
 
@@ -294,18 +300,19 @@ def _check_layout(
 ) -> int:
     """The size of the stored pack: its tensors back to back, with no gaps. Raises
     ``CorruptCheckpointError`` when a wanted tensor lies outside it (a damaged record)."""
-    packed = record.packed
-    if wanted_count == len(packed):  # the usual case: every packed tensor is restored
+    table = record.tensor_table
+    if wanted_count == len(table.packed):  # the usual case: every packed tensor is restored
         size = wanted_bytes
         ends_at_size = max(run.end for run in runs) == size
     else:
         size = 0
-        for key, entry in record.tensors.items():
-            if key in packed:
-                stored = dtypes.get(entry.dtype) or dtypes.setdefault(
-                    entry.dtype, _stored_dtype(key, entry)
+        columns = zip(table.names, table.dtypes, table.shapes, table.pack_offsets, strict=True)
+        for key, dtype_name, shape, offset in columns:
+            if offset is not None:
+                stored = dtypes.get(dtype_name) or dtypes.setdefault(
+                    dtype_name, _stored_dtype(key, dtype_name)
                 )
-                size += math.prod(entry.shape) * stored.itemsize
+                size += math.prod(shape) * stored.itemsize
         ends_at_size = True
     if not ends_at_size or min(run.start for run in runs) < 0:
         raise CorruptCheckpointError("the record places packed tensors outside the pack")

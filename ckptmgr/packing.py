@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
-from ckptmgr.record import CommitRecord, TensorEntry, TensorSection
+from ckptmgr.record import CommitRecord, TensorEntry, TensorTable
 from ckptmgr.state import is_rank_private
 
 try:
@@ -317,55 +317,61 @@ def _view(buffer: torch.Tensor, entry: PackedTensor) -> torch.Tensor:
 
 
 def placed_in_record(record: CommitRecord) -> dict[str, PackedTensor]:
-    """The packed tensors of a commit record (``record.packed``, with ``record.tensors``)."""
+    """The packed tensors of a commit record (those of its ``tensor_table`` with an offset)."""
     placed = {}
     dtypes: dict[str, torch.dtype] = {}
-    for key, offset in record.packed.items():
-        entry = record.tensors.get(key)
-        if entry is None:
-            raise CorruptCheckpointError(f"the record packs {key!r} but does not describe it")
-        dtype = dtypes.get(entry.dtype)
+    table = record.tensor_table
+    columns = zip(table.names, table.dtypes, table.shapes, table.pack_offsets, strict=True)
+    for key, dtype_name, shape, offset in columns:
+        if offset is None:
+            continue
+        dtype = dtypes.get(dtype_name)
         if dtype is None:
-            dtype = getattr(torch, entry.dtype, None)
+            dtype = getattr(torch, dtype_name, None)
             if not isinstance(dtype, torch.dtype):
-                raise CorruptCheckpointError(f"{key!r} has the unknown dtype {entry.dtype!r}")
-            dtypes[entry.dtype] = dtype
-        placed[key] = PackedTensor(offset, dtype, tuple(entry.shape))
+                raise CorruptCheckpointError(f"{key!r} has the unknown dtype {dtype_name!r}")
+            dtypes[dtype_name] = dtype
+        placed[key] = PackedTensor(offset, dtype, tuple(shape))
     return placed
 
 
-def record_entries(
+def record_table(
     stored: Mapping[str, TensorEntry], placed: Mapping[str, PackedTensor]
-) -> tuple[dict[str, TensorEntry], dict[str, int]]:
-    """The record's ``tensors`` (what DCP stored, less the pack itself, and every packed tensor)
-    and ``packed`` (name -> offset in the pack)."""
-    entries = {key: entry for key, entry in stored.items() if key != PACK_KEY}
-    offsets = {}
+) -> TensorTable:
+    """The record's tensor table: what DCP stored (less the pack itself), then every packed
+    tensor with its byte offset in the pack."""
+    names = [key for key in stored if key != PACK_KEY]
+    entries = [stored[key] for key in names]
+    offsets: list[int | None] = [None] * len(names)
     for key, where in placed.items():
-        entries[key] = where.entry
-        offsets[key] = where.offset
-    return entries, offsets
+        names.append(key)
+        entries.append(where.entry)
+        offsets.append(where.offset)
+    dtypes = [entry.dtype for entry in entries]
+    shapes = [entry.shape for entry in entries]
+    return TensorTable(names, dtypes, shapes, offsets)
 
 
-class RecordSectionCache:
-    """The :class:`~ckptmgr.record.TensorSection` of the last save, reused by the next save while
+class RecordTableCache:
+    """The :class:`~ckptmgr.record.TensorTable` of the last save, reused by the next save while
     the staging layout (the very same ``placed`` dict) and DCP's own entries are unchanged:
-    a state of many small tensors then costs its record no per-tensor work from save to save."""
+    a state of many small tensors then costs its record no per-tensor work from save to save
+    (the table's JSON text is made once, too)."""
 
     def __init__(self) -> None:
-        self._last: tuple[Mapping[str, PackedTensor], Mapping[str, TensorEntry], TensorSection]
-        self._last = ({}, {}, TensorSection({}, {}))
+        self._last: tuple[Mapping[str, PackedTensor], Mapping[str, TensorEntry], TensorTable]
+        self._last = ({}, {}, TensorTable.empty())
 
-    def section(
+    def table(
         self, stored: Mapping[str, TensorEntry], placed: Mapping[str, PackedTensor]
-    ) -> TensorSection:
-        """The record section for DCP's ``stored`` entries and the pack layout ``placed``."""
-        last_placed, last_stored, last_section = self._last
+    ) -> TensorTable:
+        """The tensor table for DCP's ``stored`` entries and the pack layout ``placed``."""
+        last_placed, last_stored, last_table = self._last
         if placed is last_placed and stored == last_stored:
-            return last_section
-        section = TensorSection(*record_entries(stored, placed))
-        self._last = (placed, stored, section)
-        return section
+            return last_table
+        table = record_table(stored, placed)
+        self._last = (placed, stored, table)
+        return table
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

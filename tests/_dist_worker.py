@@ -49,7 +49,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 from torch import nn
 
-from ckptmgr import PerRank
+from ckptmgr import CommitRecord, PerRank
 
 COLLECTIVE_TIMEOUT_S = 30.0
 WATCHDOG_S = 90.0
@@ -258,7 +258,7 @@ def _disk_steps(directory: str) -> list[str]:
 def _packed_names(directory: str, step: int) -> list[str]:
     """The names in the pack of small tensors of ``step``, from its commit record."""
     record = Path(directory) / f"step_{step:012d}" / "commit.json"
-    return sorted(json.loads(record.read_text())["packed"])
+    return sorted(CommitRecord.from_json(record.read_bytes()).packed)
 
 
 def _restore_checks(manager: Any, steps: list[int], rank: int) -> list[dict[str, Any]]:

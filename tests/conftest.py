@@ -86,3 +86,31 @@ def held_dcp_writes(bound_s: float) -> tuple[threading.Event, threading.Event, A
         return original(*args, **kwargs)
 
     return writing, release, held_write
+
+
+def tensor_rows(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``tensor_table`` of a parsed commit.json (format 3) as stored name -> ``{"dtype",
+    "shape", "offset"}`` (``offset`` None: stored on its own, not in the pack)."""
+    table = record["tensor_table"]
+    columns = zip(
+        table["names"], table["dtypes"], table["shapes"], table["pack_offsets"], strict=True
+    )
+    return {
+        name: {"dtype": dtype, "shape": shape, "offset": offset}
+        for name, dtype, shape, offset in columns
+    }
+
+
+def set_tensor_rows(record: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
+    """Store ``rows`` (as :func:`tensor_rows` gives them) as ``record``'s ``tensor_table``."""
+    record["tensor_table"] = {
+        "names": list(rows),
+        "dtypes": [row["dtype"] for row in rows.values()],
+        "shapes": [row["shape"] for row in rows.values()],
+        "pack_offsets": [row["offset"] for row in rows.values()],
+    }
+
+
+def packed_names(record: dict[str, Any]) -> set[str]:
+    """The stored names of the packed tensors of a parsed commit.json (format 3)."""
+    return {name for name, row in tensor_rows(record).items() if row["offset"] is not None}

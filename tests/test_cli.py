@@ -29,6 +29,7 @@ from torch import nn
 from ckptmgr import CheckpointManager, PerRank, objects
 from ckptmgr.cli import NestedState, parse_storage_option, tensors_for_rank, unescape_key
 from ckptmgr.errors import CheckpointError
+from ckptmgr.record import record_bytes
 from ckptmgr.state import flatten
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -343,8 +344,9 @@ def test_export_refuses_a_record_placing_a_packed_tensor_outside_the_pack(
         manager.save(1, {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])})
     (record_path,) = root.rglob("commit.json")
     record = json.loads(record_path.read_text())
-    record["packed"]["a"] = offset
-    record_path.write_text(json.dumps(record))
+    table = record["tensor_table"]
+    table["pack_offsets"][table["names"].index("a")] = offset
+    record_path.write_bytes(record_bytes(record))
     output = tmp_path / "out.pt"
     result = run_cli("export", str(root), "1", str(output))
     assert result.returncode != 0 and not output.exists(), result.stdout + result.stderr
@@ -468,6 +470,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckptmgr import CheckpointManager
 from ckptmgr.cli import main
+from ckptmgr.record import record_bytes
 
 source, work = Path(sys.argv[1]), Path(sys.argv[2])
 results = {}
@@ -531,7 +534,7 @@ def match_record(step_dir):
         for p in sorted(step_dir.iterdir())
         if p.is_file() and p.name != "commit.json"
     ]
-    record_path.write_text(json.dumps(record))
+    record_path.write_bytes(record_bytes(record))
 
 
 match_record(step_dir)

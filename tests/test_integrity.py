@@ -21,7 +21,7 @@ import torch
 from conftest import REPO, run_python
 
 from ckptmgr import CheckpointError, CheckpointManager, CorruptCheckpointError, StepNotFoundError
-from ckptmgr.record import CommitRecord
+from ckptmgr.record import CommitRecord, record_bytes
 from ckptmgr.storage import CheckpointStorage, step_dir_name
 
 N = 4096
@@ -125,7 +125,7 @@ def test_records_without_checksums_still_restore_and_verify(root: str) -> None:
     raw = json.loads(read(root, 5, "commit.json"))
     for entry in raw["files"]:
         del entry["crc32"]  # as written before ckptmgr stored checksums
-    write(root, 5, "commit.json", json.dumps(raw).encode())
+    write(root, 5, "commit.json", record_bytes(raw))
     with manager(root) as mgr:
         mgr.verify(5, deep=True)
         state = empty_state()
@@ -188,11 +188,81 @@ def test_restore_checks_the_size_of_every_file_even_unread_ones(root: str) -> No
         write(root, 2, "objects-rank00007.json", b"{}")
         raw = json.loads(read(root, 2, "commit.json"))
         raw["files"].append({"path": "objects-rank00007.json", "size": 2})
-        write(root, 2, "commit.json", json.dumps(raw).encode())
+        write(root, 2, "commit.json", record_bytes(raw))
         mgr.restore(2, empty_state())
         write(root, 2, "objects-rank00007.json", b"{")
         with pytest.raises(CorruptCheckpointError, match=r"objects-rank00007\.json has 1 bytes"):
             mgr.restore(2, empty_state())
+
+
+# -- the record's own checksum (format 3) --------------------------------------------------------
+def test_every_single_bit_flip_in_a_record_is_refused(tmp_path: Path) -> None:
+    """A record ends with ``record_crc32``, the CRC-32 of its bytes before it: a flipped bit
+    anywhere, which may leave valid JSON naming other tensors, shapes or offsets (format 3 names
+    each tensor once), makes the record damaged."""
+    root = str(tmp_path / "ckpts")
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1), metrics={"loss": 0.5})
+    data = read(root, 1, "commit.json")
+    assert data.endswith(b'"record_crc32": %d\n}' % zlib.crc32(data[: data.rindex(b",")]))
+    CommitRecord.from_json(data)
+    for index in range(len(data)):
+        for bit in (0, 5):
+            damaged = bytearray(data)
+            damaged[index] ^= 1 << bit
+            with pytest.raises(ValueError):
+                CommitRecord.from_json(bytes(damaged))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    ["no checksum", "bytes after it", "not a number", "truncated", "rewritten as json.dumps"],
+)
+def test_a_record_not_ending_with_its_checksum_is_refused(tmp_path: Path, edit: str) -> None:
+    root = str(tmp_path / "ckpts")
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+    data = read(root, 1, "commit.json")
+    at = data.rindex(b",")
+    if edit == "no checksum":
+        damaged = data[:at] + b"\n}"
+    elif edit == "bytes after it":
+        damaged = data + b"\n"
+    elif edit == "not a number":
+        damaged = data[:-2] + b".0\n}"
+    elif edit == "truncated":
+        damaged = data[: len(data) // 2]
+    else:
+        damaged = json.dumps(json.loads(data)).encode()  # same content, other bytes
+    if edit == "rewritten as json.dumps":
+        assert json.loads(damaged) == json.loads(data)
+    with pytest.raises(ValueError, match="Invalid JSON" if edit == "truncated" else "record_crc32"):
+        CommitRecord.from_json(damaged)
+    assert CommitRecord.from_json(record_bytes(json.loads(data))) == CommitRecord.from_json(data)
+
+
+def test_a_tensor_renamed_in_the_record_is_damage_that_restore_latest_quarantines(
+    root: str,
+) -> None:
+    """A bit flip that renames a packed tensor (found by the fuzz test: ``model/w`` became
+    ``model/v``) reads as a valid table, and restore then said the state's key is missing from
+    the checkpoint, a user error that restore_latest raised instead of falling back."""
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        mgr.save(2, state_of(2))
+    data = read(root, 2, "commit.json")
+    at = data.index(b'"names": ["') + len(b'"names": ["')
+    assert data[at : at + 1] in (b"w", b"b")
+    damaged = bytearray(data)
+    damaged[at] ^= 0x01  # "w" -> "v", "b" -> "c"
+    write(root, 2, "commit.json", bytes(damaged))
+    with manager(root) as mgr:
+        with pytest.raises(CorruptCheckpointError, match=r"commit record .* is damaged"):
+            mgr.restore(2, empty_state())
+        state = empty_state()
+        assert mgr.restore_latest(state) == 1
+        assert_state_of(state, 1)
+    assert CheckpointStorage(root).quarantined_steps() == [2]
 
 
 # -- restore_latest and quarantine ------------------------------------------------------------
@@ -372,7 +442,7 @@ def forge(root: str, step: int, name: str, data: bytes, *, fix_record: bool) -> 
     for entry in raw["files"]:
         if entry["path"] == name:
             entry["size"], entry["crc32"] = len(data), zlib.crc32(data)
-    write(root, step, "commit.json", json.dumps(raw).encode())
+    write(root, step, "commit.json", record_bytes(raw))
 
 
 # GLOBAL pathlib.PurePosixPath, then BUILD with slot state {"with_name": OrderedDict}: pickle's
@@ -450,12 +520,12 @@ def test_paths_in_a_record_never_leave_the_step_directory(root: str, bad_path: s
         mgr.save(1, state_of(1))
         raw = json.loads(read(root, 1, "commit.json"))
         raw["files"].append({"path": bad_path, "size": 1})
-        write(root, 1, "commit.json", json.dumps(raw).encode())
+        write(root, 1, "commit.json", record_bytes(raw))
         with pytest.raises(CorruptCheckpointError, match="not inside its step directory"):
             mgr.restore(1, empty_state())
         raw["files"].pop()
         raw["object_files"] = [bad_path]
-        write(root, 1, "commit.json", json.dumps(raw).encode())
+        write(root, 1, "commit.json", record_bytes(raw))
         with pytest.raises(CorruptCheckpointError, match="not inside its step directory"):
             mgr.restore(1, empty_state())
 

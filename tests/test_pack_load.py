@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import packed_names, set_tensor_rows, tensor_rows
 from torch import nn
 
 from ckptmgr import CheckpointError, CheckpointManager, CorruptCheckpointError, pack_load
-from ckptmgr.record import CommitRecord
+from ckptmgr.record import CommitRecord, record_bytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64]
 
@@ -103,36 +104,66 @@ def _edit_record(root: Path, edit: callable) -> None:  # type: ignore[valid-type
     (record_path,) = root.rglob("commit.json")
     record = json.loads(record_path.read_text())
     edit(record)
-    record_path.write_text(json.dumps(record))
+    record_path.write_bytes(record_bytes(record))
 
 
+def _set_row(record: dict, name: str, **fields: object) -> None:
+    """Set ``fields`` (dtype, shape, offset) of ``name``'s row of the record's tensor table."""
+    rows = tensor_rows(record)
+    rows[name].update(fields)
+    set_tensor_rows(record, rows)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["saved_order", "reversed"])
 @pytest.mark.parametrize(
     "damage",
-    ["undescribed", "outside", "negative", "misaligned", "unknown_dtype"],
+    [
+        "undescribed",
+        "named_twice",
+        "outside",
+        "negative",
+        "misaligned",
+        "unknown_dtype",
+        "not_a_shape",
+        "offset_not_an_int",
+    ],
 )
 def test_a_record_that_describes_the_pack_wrongly_is_corruption(
-    tmp_path: Path, damage: str
+    tmp_path: Path, damage: str, reverse: bool
 ) -> None:
     saved = {f"t{i}": torch.rand(8) for i in range(20)}
 
     def edit(record: dict) -> None:
-        packed = record["packed"]
-        assert len(packed) == 20
-        if damage == "undescribed":
-            del record["tensors"]["t5"]
-        elif damage == "outside":
-            packed["t5"] = 10_000
+        rows = tensor_rows(record)
+        assert packed_names(record) == set(saved)
+        table = record["tensor_table"]
+        if damage == "undescribed":  # an offset without its name, dtype and shape
+            for column in ("names", "dtypes", "shapes"):
+                del table[column][5]
+            return
+        if damage == "named_twice":
+            table["names"][5] = table["names"][4]
+            return
+        row = rows["t5"]
+        if damage == "outside":
+            row["offset"] = 10_000
         elif damage == "negative":
-            packed["t5"] = -32
+            row["offset"] = -32
         elif damage == "misaligned":
-            packed["t5"] += 2
+            row["offset"] += 2
+        elif damage == "unknown_dtype":
+            row["dtype"] = "no_such_dtype"
+        elif damage == "not_a_shape":
+            row["shape"] = "8"
         else:
-            record["tensors"]["t5"]["dtype"] = "no_such_dtype"
+            row["offset"] = 32.0
+        set_tensor_rows(record, rows)
 
     with CheckpointManager(tmp_path, save_interval=1) as manager:
         assert manager.save(1, saved)
         _edit_record(tmp_path, edit)
-        target = {key: torch.zeros(8) for key in saved}
+        keys = list(saved)[::-1] if reverse else list(saved)
+        target = {key: torch.zeros(8) for key in keys}
         with pytest.raises(CorruptCheckpointError):
             manager.restore(1, target)
     assert all(torch.count_nonzero(value) == 0 for value in target.values())
@@ -146,7 +177,7 @@ def test_a_packed_byte_tensor_at_offset_minus_one_is_corruption_not_skipped(
     saved = {"a": torch.arange(4, dtype=torch.uint8), "b": torch.arange(4, dtype=torch.uint8)}
     with CheckpointManager(tmp_path, save_interval=1) as manager:
         assert manager.save(1, saved)
-        _edit_record(tmp_path, lambda record: record["packed"].update(a=-1))
+        _edit_record(tmp_path, lambda record: _set_row(record, "a", offset=-1))
         target = {"a": torch.zeros(4, dtype=torch.uint8), "b": torch.zeros(4, dtype=torch.uint8)}
         with pytest.raises(CorruptCheckpointError):
             manager.restore(1, target)
@@ -162,7 +193,7 @@ def test_a_record_describing_a_pack_bigger_than_its_data_is_corruption_before_al
     saved = {"a": torch.rand(8), "b": torch.rand(8)}
     with CheckpointManager(tmp_path, save_interval=1) as manager:
         assert manager.save(1, saved)
-        _edit_record(tmp_path, lambda record: record["tensors"]["b"].update(shape=shape))
+        _edit_record(tmp_path, lambda record: _set_row(record, "b", shape=shape))
         with pytest.raises(CorruptCheckpointError, match="more than any data file"):
             manager.restore(1, {"a": torch.zeros(8)})
 
@@ -411,9 +442,9 @@ def test_the_direct_path_makes_the_runs_that_matching_one_by_one_makes(
     elif layout == "1-d only":
         keys = [key for key in keys if saved[key].dim() == 1]
     destinations = {key: torch.zeros_like(saved[key]) for key in keys}
-    direct = pack_load._direct_runs(destinations, record, {})
+    direct = pack_load._direct_runs(destinations, record.tensor_table, {})
     assert direct is not None
-    matched = pack_load._matched_runs(destinations, record, {})
+    matched = pack_load._matched_runs(destinations, record.tensor_table, {})
     assert matched[0] == {} and matched[2] == []  # (nothing loaded alone, nothing copied later)
     assert _runs_described(direct[0]) == _runs_described(matched[1])
     assert direct[1] == matched[3]
@@ -468,7 +499,7 @@ def test_destinations_the_direct_path_leaves_to_matching_one_by_one(
             pass
 
         target[key] = torch.zeros(2, 3, dtype=torch.bfloat16).as_subclass(Marked)
-    assert pack_load._direct_runs(target, record, {}) is None
+    assert pack_load._direct_runs(target, record.tensor_table, {}) is None
     with CheckpointManager(tmp_path, save_interval=1) as manager:
         if odd_one == "other shape, same size":
             with pytest.raises(CheckpointError, match=r"p7\.weight"):
