@@ -339,8 +339,9 @@ def record_table(
     stored: Mapping[str, TensorEntry], placed: Mapping[str, PackedTensor]
 ) -> TensorTable:
     """The record's tensor table: what DCP stored (less the pack itself), then every packed
-    tensor with its byte offset in the pack."""
-    names = [key for key in stored if key != PACK_KEY]
+    tensor with its byte offset in the pack (where a name is both, its packed entry: each name
+    once, as a reader requires)."""
+    names = [key for key in stored if key != PACK_KEY and key not in placed]
     entries = [stored[key] for key in names]
     offsets: list[int | None] = [None] * len(names)
     for key, where in placed.items():

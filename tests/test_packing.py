@@ -117,3 +117,31 @@ def test_fewer_small_tensors_than_the_minimum_are_stored_as_they_are() -> None:
     for _ in range(2):
         stored, placed = packer.pack(state)
         assert placed == {} and stored == state and stored is not state
+
+
+def test_record_table_lists_stored_then_packed_tensors_each_name_once() -> None:
+    """DCP's own entries (less the pack) come first, then the packed tensors with their
+    offsets; a name both stored and packed gets one row, its packed one, so that the record
+    reads back (a reader refuses a name twice)."""
+    from ckptmgr.record import CommitRecord, TensorEntry, TensorTable, utc_now
+
+    stored = {
+        "big": TensorEntry.trusted("float32", [100_000]),
+        packing.PACK_KEY: TensorEntry.trusted("uint8", [48]),
+        "both": TensorEntry.trusted("float32", [3]),
+    }
+    placed = {
+        "a": packing.PackedTensor(0, torch.float64, (2, 2)),
+        "both": packing.PackedTensor(32, torch.float32, (3,)),
+    }
+    table = packing.record_table(stored, placed)
+    assert table == TensorTable(
+        ["big", "a", "both"],
+        ["float32", "float64", "float32"],
+        [[100_000], [2, 2], [3]],
+        [None, 0, 32],
+    )
+    record = CommitRecord(
+        step=1, save_id="s", committed_at=utc_now(), world_size=1, tensor_table=table
+    )
+    assert CommitRecord.from_json(record.to_json()).tensor_table == table
