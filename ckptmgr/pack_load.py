@@ -77,8 +77,9 @@ def split_for_load(
     ``DTensor``, which gets its local part). Plain destinations of the stored dtype are filled
     straight from the pack, on the CPU or, after one copy of each run's bytes there, on their
     device. A destination whose shape differs from the stored one raises ``CheckpointError``
-    now, before anything is read or written; a record that packs a tensor it does not describe,
-    or outside the pack, raises ``CorruptCheckpointError``.
+    now, before anything is read or written; a record that places a packed tensor outside the
+    pack, or gives it an unknown dtype, raises ``CorruptCheckpointError`` (a table whose columns
+    do not describe each tensor once is refused as the record is read).
     """
     table = record.tensor_table
     if table.pack_offsets.count(None) == len(table.pack_offsets):  # nothing packed
