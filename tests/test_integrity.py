@@ -753,3 +753,51 @@ def test_two_ranks_restore_when_one_rank_has_no_tensor_to_load(tmp_path: Path) -
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0 plain=0 mixed=0 r=None" in result.stdout
     assert "rank 1 plain=1 mixed=1 r=[1.0, 1.0, 1.0]" in result.stdout
+
+
+# -- the hashing stream of DCP's data files ------------------------------------------------------
+class _PartialTarget:
+    """A raw target that takes at most ``limit`` bytes per write, as a raw file may."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.data = bytearray()
+
+    def write(self, view: memoryview) -> int:
+        taken = bytes(view.cast("B")[: self.limit])
+        self.data += taken
+        return len(taken)
+
+
+@pytest.mark.parametrize("target", ["file", "partial"])
+def test_hashing_writer_checksums_exactly_what_was_written(tmp_path: Path, target: str) -> None:
+    """Writes below and above CRC_BESIDE_WRITE_BYTES (hashed while they are written, on a thread
+    of their own), of bytes and of tensor memory, give the CRC-32 of every byte the target took,
+    in order; so does a raw target that takes part of each large write."""
+    from ckptmgr.integrity import CRC_BESIDE_WRITE_BYTES, HashingWriter
+
+    gen = torch.Generator().manual_seed(3)
+    big = CRC_BESIDE_WRITE_BYTES
+    pieces = [
+        b"head",
+        torch.randint(0, 256, (big + 5,), dtype=torch.uint8, generator=gen).numpy(),
+        b"",
+        torch.randn(big // 4 * 3, generator=gen).numpy(),  # float32 memory, 3 MiB
+        b"x" * 100,
+    ]
+    if target == "file":
+        path = tmp_path / "data"
+        with open(path, "wb") as handle:
+            hashing = HashingWriter(handle)
+            for piece in pieces:
+                assert hashing.write(piece) == memoryview(piece).nbytes
+        written = path.read_bytes()
+    else:
+        raw = _PartialTarget(big + big // 2)
+        hashing = HashingWriter(raw)
+        for piece in pieces:
+            hashing.write(piece)
+        written = bytes(raw.data)
+        assert len(written) < sum(memoryview(piece).nbytes for piece in pieces)
+    assert hashing.size == len(written)
+    assert hashing.crc == zlib.crc32(written)
