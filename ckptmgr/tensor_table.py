@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import operator
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -133,7 +134,7 @@ class TensorTable:
         _check_types("pack_offsets", offsets, {int, type(None)}, "an integer or null")
         table = cls(names, dtypes, shapes, offsets)
         if len(table.index) != len(names):
-            twice = next(name for name, count in _counts(names) if count > 1)
+            twice = next(name for name, count in Counter(names).items() if count > 1)
             raise ValueError(f"tensor_table names {twice!r} more than once")
         table._check_offsets()
         return table
@@ -276,10 +277,3 @@ def _check_types(key: str, column: list[Any], types: set[type], what: str) -> No
 
 def _is_shape(shape: list[Any]) -> bool:
     return all(type(size) is int and size >= 0 for size in shape)
-
-
-def _counts(names: list[str]) -> Iterator[tuple[str, int]]:
-    counts: dict[str, int] = {}
-    for name in names:
-        counts[name] = counts.get(name, 0) + 1
-    return iter(counts.items())
