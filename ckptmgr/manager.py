@@ -29,7 +29,8 @@ from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFound
 from ckptmgr.gc_pause import gc_paused
 from ckptmgr.integrity import expected_files, raise_problems
 from ckptmgr.lease import OwnerLease
-from ckptmgr.packing import PackedTensor
+from ckptmgr.pack_read_ahead import PackReadAhead
+from ckptmgr.packing import PACK_KEY, PackedTensor
 from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNotice
 from ckptmgr.prefetch import Prefetch
 from ckptmgr.record import CommitRecord, FileEntry, TensorEntry, is_raw, utc_now
@@ -965,15 +966,22 @@ class CheckpointManager:
             raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__qualname__}")
         # The disk reads ahead while the record is parsed and the state matched against it.
         prefetch = Prefetch(self._storage.step_path(step)) if self._storage.is_local else None
+        pack_reads: list[PackReadAhead] = []
         try:
-            self._restore(step, state_dict)
+            self._restore(step, state_dict, pack_reads)
         finally:
+            for pack_read in pack_reads:  # (a read ahead that the restore did not wait for)
+                pack_read.wait()
             if prefetch is not None:
                 prefetch.join()
 
-    def _restore(self, step: int, state_dict: MutableMapping[str, Any]) -> None:
-        """The body of :meth:`restore`, for a committed ``step``."""
+    def _restore(
+        self, step: int, state_dict: MutableMapping[str, Any], pack_reads: list[PackReadAhead]
+    ) -> None:
+        """The body of :meth:`restore`, for a committed ``step``; adds the read ahead of the
+        step's pack that it starts, if any, to ``pack_reads`` (for the caller to wait for)."""
         group = self._comm.background_group if self._comm.distributed else None
+        pack_read: PackReadAhead | None = None
         plan: RestorePlan | None = None
         plan_error: Exception | None = None
         expected = None
@@ -986,6 +994,10 @@ class CheckpointManager:
             expected = expected_files(record.files, step=step) if record.files else None
             raw = is_raw(record)
             self._storage.check_sizes(step, record)  # every file, one listing
+            if not self._comm.distributed:  # (DCP's load is collective under distributed)
+                pack_read = self._read_pack_ahead(step, record, expected, raw)
+                if pack_read is not None:
+                    pack_reads.append(pack_read)
             own_objects = objects_file_name(self._comm.rank)
             objects_rank = self._comm.rank if own_objects in record.object_files else 0
             saved_objects = self._storage.read_objects(
@@ -994,18 +1006,13 @@ class CheckpointManager:
             plan = plan_restore(
                 state_dict, record.tensor_table.names, saved_objects, self._comm.rank, objects_rank
             )
-            to_load, unpack = pack_load.split_for_load(plan.tensors, record)
+            to_load, unpack = pack_load.split_for_load(
+                plan.tensors, record, None if pack_read is None else pack_read.buffer
+            )
             # Work the caller still has queued on the destinations (on any stream) ends before
             # anything is written into them; here, so that a failure is agreed on like others.
             wait_for_devices(plan.tensors.values())
-            reader = dcp_io.make_reader(
-                self._storage.url_for(self._storage.step_path(step)),
-                local=self._storage.is_local,
-                storage_options=self._storage.storage_options,
-                retry=self._storage.retry,
-                expected=expected,
-                raw=raw,
-            )
+            reader = self._step_reader(step, expected, raw)
         except Exception as exc:
             plan_error = exc
         # DCP's load is collective: every rank learns first whether any rank could not match its
@@ -1019,6 +1026,12 @@ class CheckpointManager:
         assert plan is not None and reader is not None
         load_error: Exception | None = None
         try:
+            if (
+                pack_read is not None
+                and to_load.get(PACK_KEY) is pack_read.buffer
+                and pack_read.wait()
+            ):
+                del to_load[PACK_KEY]  # read ahead; else read below (and its damage raised)
             if to_load or self._comm.distributed:  # collective: also a rank with nothing to load
                 # DCP's reader threads fill a non-contiguous device destination with a copy on
                 # their own stream, which the caller's next work would not wait for: wait for
@@ -1051,6 +1064,32 @@ class CheckpointManager:
         # so that every rank raises or none does (restore_latest then decides alike on all).
         self._agree_on_restore(step, load_error, group)
         log.info("restored step %d", step)
+
+    def _read_pack_ahead(
+        self, step: int, record: CommitRecord, expected: Any, raw: bool
+    ) -> PackReadAhead | None:
+        """Start reading the pack of ``step`` (see :mod:`ckptmgr.pack_read_ahead`) with a
+        reader of its own; None when the step has no pack or its record lists no data file."""
+        data_files = [entry.size for entry in record.files if entry.path.endswith(".distcp")]
+        if not data_files:
+            return None
+        reader = self._step_reader(step, expected, raw)
+        return PackReadAhead.start(
+            record.tensor_table,
+            max(data_files),
+            lambda tensors: dcp_io.load_tensors(tensors, reader, None),
+        )
+
+    def _step_reader(self, step: int, expected: Any, raw: bool) -> Any:
+        """A DCP reader of ``step``'s files (see :func:`ckptmgr.dcp_io.make_reader`)."""
+        return dcp_io.make_reader(
+            self._storage.url_for(self._storage.step_path(step)),
+            local=self._storage.is_local,
+            storage_options=self._storage.storage_options,
+            retry=self._storage.retry,
+            expected=expected,
+            raw=raw,
+        )
 
     def _agree_on_restore(self, step: int, error: Exception | None, group: Any) -> None:
         """Raise on every rank if ``error`` (this rank's, or None) or any other rank's is not

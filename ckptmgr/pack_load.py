@@ -67,7 +67,9 @@ def _nothing() -> None:
 
 
 def split_for_load(
-    destinations: Mapping[str, torch.Tensor], record: CommitRecord
+    destinations: Mapping[str, torch.Tensor],
+    record: CommitRecord,
+    pack_buffer: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
     """(what to load from storage, a function to call after loading it).
 
@@ -80,6 +82,9 @@ def split_for_load(
     now, before anything is read or written; a record that places a packed tensor outside the
     pack, or gives it an unknown dtype, raises ``CorruptCheckpointError`` (a table whose columns
     do not describe each tensor once is refused as the record is read).
+
+    ``pack_buffer`` (a 1-d ``uint8`` CPU tensor) is used as the pack's buffer when it has the
+    pack's size (see :mod:`ckptmgr.pack_read_ahead`); otherwise a new one is made.
     """
     table = record.tensor_table
     if table.pack_offsets.count(None) == len(table.pack_offsets):  # nothing packed
@@ -98,7 +103,10 @@ def split_for_load(
     if not runs:
         return to_load, _nothing
     size = _check_layout(record, runs, wanted_bytes, wanted_count, dtypes)
-    buffer = torch.empty(size, dtype=torch.uint8)
+    if pack_buffer is not None and pack_buffer.shape == (size,):
+        buffer = pack_buffer
+    else:
+        buffer = torch.empty(size, dtype=torch.uint8)
     to_load[PACK_KEY] = buffer
     return to_load, lambda: _unpack(buffer, runs, later, destinations)
 

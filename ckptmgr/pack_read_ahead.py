@@ -1,0 +1,90 @@
+"""Reading a step's pack of small tensors while a restore still matches the state against it.
+
+A restore of a state of many small tensors spends most of its time in Python and torch calls per
+tensor before it reads anything: parsing the record, planning, matching each destination against
+the pack (tens of milliseconds for 20,000 tensors). The pack's bytes, read and checked by DCP,
+depend on none of that: its size follows from the record alone. :class:`PackReadAhead` reads them
+into a buffer of their own on a thread (the file read and the checksum release the GIL) as soon as
+the record is parsed, and the restore uses that buffer when it is the one its match asks for.
+
+It is an optimisation only: a read ahead that fails, or that the restore does not use, is waited
+for and dropped, and the restore reads the pack itself as it would have (so its errors are raised
+where and as they always are). Only a restore in one process reads ahead: under
+torch.distributed, DCP's load is collective, and a second load beside the restore's own
+collectives could not be ordered against them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ckptmgr.packing import PACK_KEY
+from ckptmgr.tensor_table import TensorTable
+
+
+class PackReadAhead:
+    """The pack of one step, read by ``load`` on a thread of its own into :attr:`buffer`."""
+
+    def __init__(self, size: int, load: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        self.buffer = torch.empty(size, dtype=torch.uint8)
+        """The pack's bytes, once :meth:`wait` returned True."""
+        self._load = load
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name="ckptmgr-pack-read", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(
+        cls,
+        table: TensorTable,
+        max_bytes: int,
+        load: Callable[[dict[str, torch.Tensor]], None],
+    ) -> PackReadAhead | None:
+        """Start reading the pack that ``table`` describes with ``load`` (DCP's load of the
+        one-item dict it is given); None when the table packs nothing, or its pack's size
+        cannot be told or is over ``max_bytes`` (the largest data file of the step): a damaged
+        table, whose damage the restore's own checks name."""
+        size = pack_size(table)
+        if size is None or size > max_bytes:
+            return None
+        try:
+            return cls(size, load)
+        except (MemoryError, RuntimeError):  # (no memory for the buffer, no thread left)
+            return None
+
+    def _run(self) -> None:
+        try:
+            self._load({PACK_KEY: self.buffer})
+        except BaseException:  # (DCP's CheckpointException is one) the restore reads the
+            self._failed = True  # pack again and raises what it finds
+
+    def wait(self) -> bool:
+        """Wait until the read has ended; True when it filled :attr:`buffer`."""
+        self._thread.join()
+        return not self._failed
+
+
+def pack_size(table: TensorTable) -> int | None:
+    """Bytes of the pack that ``table`` describes: the end of its last tensor (the pack holds
+    its tensors back to back); None when nothing is packed or a dtype is not a torch dtype."""
+    offsets = table.pack_offsets
+    packed = [offset for offset in offsets if offset is not None]
+    if not packed:
+        return None
+    last = max(packed)
+    positions = [offsets.index(last)]
+    if offsets.count(last) > 1:  # a tensor of no bytes where the last one starts, say
+        positions = [i for i, offset in enumerate(offsets) if offset == last]
+    sizes = []
+    for position in positions:
+        dtype = getattr(torch, table.dtypes[position], None)
+        if not isinstance(dtype, torch.dtype):
+            return None
+        numel = 1
+        for dim in table.shapes[position]:
+            numel *= dim
+        sizes.append(numel * dtype.itemsize)
+    return last + max(sizes)

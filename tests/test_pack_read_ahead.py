@@ -1,0 +1,166 @@
+"""The read ahead of a step's pack of small tensors while a restore matches the state
+(ckptmgr.pack_read_ahead): its size from the record alone, its use by restore, and a restore
+that reads the pack itself, as before, whenever the read ahead failed or is not used."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+from ckptmgr import CheckpointError, CheckpointManager, dcp_io
+from ckptmgr.pack_read_ahead import PackReadAhead, pack_size
+from ckptmgr.packing import PACK_KEY
+from ckptmgr.tensor_table import TensorTable
+
+
+def _state() -> dict[str, torch.Tensor]:
+    """Small tensors of several dtypes and shapes (packed), and a large one (a DCP item of its
+    own)."""
+    gen = torch.Generator().manual_seed(3)
+    state: dict[str, torch.Tensor] = {}
+    for index in range(40):
+        state[f"small/f32/{index}"] = torch.randn(index % 5 + 1, 3, generator=gen)
+        state[f"small/i64/{index}"] = torch.randint(0, 9, (index % 3 + 1,), generator=gen)
+        state[f"small/bf16/{index}"] = torch.randn(5, generator=gen).to(torch.bfloat16)
+    state["big"] = torch.randn(300_000, generator=gen)
+    return state
+
+
+def _stored_pack_bytes(step_dir: Path) -> int:
+    """The size of the pack as DCP's metadata of the step stores it."""
+    fs = fsspec.filesystem("file")
+    metadata = dcp_io.read_metadata_file(fs, str(step_dir))
+    return int(metadata.state_dict_metadata[PACK_KEY].size.numel())
+
+
+def _noting_loads(monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
+    """The keys of every DCP load that restore makes (read ahead or not), in order."""
+    loads: list[set[str]] = []
+    real = dcp_io.load_tensors
+
+    def noting(tensors: dict[str, torch.Tensor], *args: Any) -> None:
+        loads.append(set(tensors))
+        real(tensors, *args)
+
+    monkeypatch.setattr(dcp_io, "load_tensors", noting)
+    return loads
+
+
+def test_pack_size_is_the_end_of_the_last_packed_tensor() -> None:
+    table = TensorTable(
+        ["a", "big", "b", "c", "d"],
+        ["float32", "float32", "int64", "bfloat16", "float32"],
+        [[3], [10**6], [2, 2], [5], [0]],
+        [0, None, 16, 48, 58],  # (a float32 of no items where the bfloat16 run ends)
+    )
+    assert pack_size(table) == 58
+    table.pack_offsets[4] = 48  # the empty one where the last one starts
+    assert pack_size(table) == 58
+    assert pack_size(TensorTable.empty()) is None
+    assert pack_size(TensorTable(["x"], ["float32"], [[4]], [None])) is None
+    assert pack_size(TensorTable(["x"], ["nonsense"], [[4]], [0])) is None
+
+
+def test_pack_size_matches_the_stored_pack(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, _state())
+        record = mgr._storage.read_record(1)
+    (step_dir,) = (path for path in tmp_path.iterdir() if path.is_dir())
+    assert pack_size(record.tensor_table) == _stored_pack_bytes(step_dir) > 0
+
+
+def test_restore_reads_the_pack_ahead_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pack is read once, by the read ahead; restore's own load reads only what is stored
+    on its own; every tensor round-trips bit-exact."""
+    state = _state()
+    target = {key: torch.zeros_like(value) for key, value in state.items()}
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, state)
+        loads = _noting_loads(monkeypatch)
+        mgr.restore(1, target)
+    assert loads == [{PACK_KEY}, {"big"}]
+    for key, value in state.items():
+        assert torch.equal(target[key].view(torch.uint8), value.view(torch.uint8)), key
+    assert not [t for t in threading.enumerate() if t.name == "ckptmgr-pack-read"]
+
+
+def test_a_failed_read_ahead_is_read_again_by_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: the read ahead fails (a transient error); restore reads the pack
+    itself and succeeds."""
+    state = _state()
+    target = {key: torch.zeros_like(value) for key, value in state.items()}
+    loads: list[set[str]] = []
+    real = dcp_io.load_tensors
+
+    def failing_first(tensors: dict[str, torch.Tensor], *args: Any) -> None:
+        loads.append(set(tensors))
+        if len(loads) == 1:
+            raise OSError("injected: connection reset")
+        real(tensors, *args)
+
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, state)
+        monkeypatch.setattr(dcp_io, "load_tensors", failing_first)
+        mgr.restore(1, target)
+    assert loads == [{PACK_KEY}, {PACK_KEY, "big"}]
+    assert all(torch.equal(target[key], value) for key, value in state.items())
+
+
+def test_a_restore_that_wants_no_packed_tensor_drops_the_read_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _state()
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, state)
+        loads = _noting_loads(monkeypatch)
+        target = {"big": torch.zeros_like(state["big"])}
+        mgr.restore(1, target)
+    assert loads == [{PACK_KEY}, {"big"}]
+    assert torch.equal(target["big"], state["big"])
+    assert not [t for t in threading.enumerate() if t.name == "ckptmgr-pack-read"]
+
+
+def test_a_restore_that_fails_to_match_waits_for_the_read_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A destination of the wrong shape raises as before, and restore raises only after the
+    read ahead (held until restore waits for it) has ended; no destination was written."""
+    state = _state()
+    release = threading.Event()
+    real_load, real_wait = dcp_io.load_tensors, PackReadAhead.wait
+
+    def held(tensors: dict[str, torch.Tensor], *args: Any) -> None:
+        assert release.wait(30)
+        real_load(tensors, *args)
+
+    def releasing_wait(self: PackReadAhead) -> bool:
+        release.set()
+        return real_wait(self)
+
+    target = {key: torch.zeros_like(value) for key, value in state.items()}
+    target["small/f32/0"] = torch.zeros(4, 4)
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, state)
+        monkeypatch.setattr(dcp_io, "load_tensors", held)
+        monkeypatch.setattr(PackReadAhead, "wait", releasing_wait)
+        with pytest.raises(CheckpointError, match="shape"):
+            mgr.restore(1, target)
+        assert release.is_set()
+        assert not [t for t in threading.enumerate() if t.name == "ckptmgr-pack-read"]
+    assert all(not value.any() for value in target.values())
+
+
+def test_no_read_ahead_of_a_pack_larger_than_the_data_files() -> None:
+    """A damaged table that places a tensor far outside any data file gets no buffer (the
+    restore's own checks then name the damage)."""
+    table = TensorTable(["a"], ["float32"], [[4]], [2**50])
+    assert PackReadAhead.start(table, 10**6, lambda tensors: None) is None
+    read = PackReadAhead.start(TensorTable(["a"], ["float32"], [[4]], [0]), 16, lambda t: None)
+    assert read is not None and read.wait() and read.buffer.shape == (16,)
