@@ -1070,15 +1070,9 @@ class CheckpointManager:
     ) -> PackReadAhead | None:
         """Start reading the pack of ``step`` (see :mod:`ckptmgr.pack_read_ahead`) with a
         reader of its own; None when the step has no pack or its record lists no data file."""
-        data_files = [entry.size for entry in record.files if entry.path.endswith(".distcp")]
-        if not data_files:
-            return None
+        file_sizes = {entry.path: entry.size for entry in record.files}
         reader = self._step_reader(step, expected, raw)
-        return PackReadAhead.start(
-            record.tensor_table,
-            max(data_files),
-            lambda tensors: dcp_io.load_tensors(tensors, reader, None),
-        )
+        return PackReadAhead.start(record.tensor_table, reader, file_sizes)
 
     def _step_reader(self, step: int, expected: Any, raw: bool) -> Any:
         """A DCP reader of ``step``'s files (see :func:`ckptmgr.dcp_io.make_reader`)."""

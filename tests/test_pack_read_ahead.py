@@ -1,6 +1,7 @@
 """The read ahead of a step's pack of small tensors while a restore matches the state
-(ckptmgr.pack_read_ahead): its size from the record alone, its use by restore, and a restore
-that reads the pack itself, as before, whenever the read ahead failed or is not used."""
+(ckptmgr.pack_read_ahead): its size from the record alone, its use by restore, no read ahead of
+a pack that shares its file with large tensors, and a restore that reads the pack itself, as
+before, whenever the read ahead failed or is not used."""
 
 from __future__ import annotations
 
@@ -19,15 +20,13 @@ from ckptmgr.tensor_table import TensorTable
 
 
 def _state() -> dict[str, torch.Tensor]:
-    """Small tensors of several dtypes and shapes (packed), and a large one (a DCP item of its
-    own)."""
+    """Small tensors of several dtypes and shapes, all packed (the pack alone in its file)."""
     gen = torch.Generator().manual_seed(3)
     state: dict[str, torch.Tensor] = {}
     for index in range(40):
         state[f"small/f32/{index}"] = torch.randn(index % 5 + 1, 3, generator=gen)
         state[f"small/i64/{index}"] = torch.randint(0, 9, (index % 3 + 1,), generator=gen)
         state[f"small/bf16/{index}"] = torch.randn(5, generator=gen).to(torch.bfloat16)
-    state["big"] = torch.randn(300_000, generator=gen)
     return state
 
 
@@ -75,18 +74,48 @@ def test_pack_size_matches_the_stored_pack(tmp_path: Path) -> None:
 
 
 def test_restore_reads_the_pack_ahead_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pack is read once, by the read ahead; restore's own load reads only what is stored
-    on its own; every tensor round-trips bit-exact."""
+    """The pack is read once, by the read ahead, and restore's own load has nothing left to
+    read; every tensor round-trips bit-exact."""
     state = _state()
     target = {key: torch.zeros_like(value) for key, value in state.items()}
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, state)
         loads = _noting_loads(monkeypatch)
         mgr.restore(1, target)
-    assert loads == [{PACK_KEY}, {"big"}]
+    assert loads == [{PACK_KEY}]
     for key, value in state.items():
         assert torch.equal(target[key].view(torch.uint8), value.view(torch.uint8)), key
     assert not [t for t in threading.enumerate() if t.name == "ckptmgr-pack-read"]
+
+
+def test_a_pack_in_one_file_with_large_tensors_is_not_read_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where DCP stored the pack in one file with a large tensor, reading the pack ahead would
+    read (and check) that whole file twice: the read ahead skips it, and restore reads the file
+    once, as before."""
+    state = _state() | {"big": torch.randn(300_000)}  # 1.2 MB, stored on its own
+    target = {key: torch.zeros_like(value) for key, value in state.items()}
+    skipped: list[bool] = []
+    real_wait = PackReadAhead.wait
+
+    def noting_wait(self: PackReadAhead) -> bool:
+        done = real_wait(self)
+        skipped.append(self.skipped)
+        return done
+
+    monkeypatch.setattr(PackReadAhead, "wait", noting_wait)
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, state)
+        (step_dir,) = (path for path in tmp_path.iterdir() if path.is_dir())
+        metadata = dcp_io.read_metadata_file(fsspec.filesystem("file"), str(step_dir))
+        files = {info.relative_path for info in metadata.storage_data.values()}
+        assert len(files) == 1  # (the layout this test is about)
+        loads = _noting_loads(monkeypatch)
+        mgr.restore(1, target)
+    assert loads == [{PACK_KEY, "big"}]
+    assert skipped and all(skipped)
+    assert all(torch.equal(target[key], value) for key, value in state.items())
 
 
 def test_a_failed_read_ahead_is_read_again_by_restore(
@@ -109,21 +138,21 @@ def test_a_failed_read_ahead_is_read_again_by_restore(
         mgr.save(1, state)
         monkeypatch.setattr(dcp_io, "load_tensors", failing_first)
         mgr.restore(1, target)
-    assert loads == [{PACK_KEY}, {PACK_KEY, "big"}]
+    assert loads == [{PACK_KEY}, {PACK_KEY}]
     assert all(torch.equal(target[key], value) for key, value in state.items())
 
 
 def test_a_restore_that_wants_no_packed_tensor_drops_the_read_ahead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    state = _state()
+    """Restoring only a plain value: the pack read ahead is waited for and dropped."""
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
-        mgr.save(1, state)
+        mgr.save(1, {**_state(), "epoch": 3})
         loads = _noting_loads(monkeypatch)
-        target = {"big": torch.zeros_like(state["big"])}
+        target: dict[str, Any] = {"epoch": 0}
         mgr.restore(1, target)
-    assert loads == [{PACK_KEY}, {"big"}]
-    assert torch.equal(target["big"], state["big"])
+    assert loads == [{PACK_KEY}]
+    assert target == {"epoch": 3}
     assert not [t for t in threading.enumerate() if t.name == "ckptmgr-pack-read"]
 
 
@@ -161,6 +190,5 @@ def test_no_read_ahead_of_a_pack_larger_than_the_data_files() -> None:
     """A damaged table that places a tensor far outside any data file gets no buffer (the
     restore's own checks then name the damage)."""
     table = TensorTable(["a"], ["float32"], [[4]], [2**50])
-    assert PackReadAhead.start(table, 10**6, lambda tensors: None) is None
-    read = PackReadAhead.start(TensorTable(["a"], ["float32"], [[4]], [0]), 16, lambda t: None)
-    assert read is not None and read.wait() and read.buffer.shape == (16,)
+    assert PackReadAhead.start(table, None, {"__0_0.distcp": 10**6}) is None
+    assert PackReadAhead.start(table, None, {"commit.json": 10**18}) is None

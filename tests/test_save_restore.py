@@ -747,6 +747,5 @@ def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
                     mgr.restore(1, target)
             logged = "waiting for the devices failed too" in caplog.text
             assert logged == (failing == "load and wait")
-    # 11 destinations; DCP loads "big" (the pack of the 10 small ones was read ahead: see
-    # ckptmgr.pack_read_ahead)
-    assert events == [("wait", 11), ("load", 1), ("wait", 1)]
+    # 11 destinations; DCP loads "big" and the pack of the 10 small ones
+    assert events == [("wait", 11), ("load", 2), ("wait", 2)]
