@@ -18,6 +18,7 @@ collectives could not be ordered against them.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -53,7 +54,7 @@ class PackReadAhead:
         nothing, or its pack's size cannot be told or is over the largest data file's (a damaged
         table, whose damage the restore's own checks name)."""
         size = pack_size(table)
-        data_files = [size for path, size in file_sizes.items() if path.endswith(".distcp")]
+        data_files = [length for path, length in file_sizes.items() if path.endswith(".distcp")]
         if size is None or not data_files or size > max(data_files):
             return None
         try:
@@ -110,8 +111,5 @@ def pack_size(table: TensorTable) -> int | None:
         dtype = getattr(torch, table.dtypes[position], None)
         if not isinstance(dtype, torch.dtype):
             return None
-        numel = 1
-        for dim in table.shapes[position]:
-            numel *= dim
-        sizes.append(numel * dtype.itemsize)
+        sizes.append(math.prod(table.shapes[position]) * dtype.itemsize)
     return last + max(sizes)
