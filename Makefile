@@ -4,6 +4,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# pytest workers (pytest-xdist): one per core, at most 4; `make test PYTEST_WORKERS=0` runs serially
+PYTEST_WORKERS ?= auto
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint format bench clean
@@ -25,7 +27,7 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix ckptmgr tests examples benchmarks
 
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --maxprocesses=4
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py
