@@ -289,8 +289,12 @@ class ChecksummingFileSystem(FileSystem):
             self.checksums.add(_relative(self.root, path), size, crc)
 
     @contextmanager
-    def open_data_source(self, path: str | os.PathLike[str]) -> Iterator[tensor_bytes.TensorSource]:
-        """A data file read in place, hashed as it is read and checked by ``finish()``."""
+    def open_data_source(
+        self, path: str | os.PathLike[str], *, hash_inline: bool = False
+    ) -> Iterator[tensor_bytes.TensorSource]:
+        """A data file read in place, hashed as it is read (``hash_inline``: on the reading
+        thread, see :class:`ckptmgr.tensor_bytes.VerifyingLocalFile`) and checked by
+        ``finish()``."""
         name = _relative(self.root, path)
         check = None
         if self.expected is not None:
@@ -300,7 +304,7 @@ class ChecksummingFileSystem(FileSystem):
                 check_content(name, expected, size, crc)
 
         try:
-            source = tensor_bytes.VerifyingLocalFile(path, name, check)
+            source = tensor_bytes.VerifyingLocalFile(path, name, check, hash_inline=hash_inline)
         except FileNotFoundError as exc:
             raise CorruptCheckpointError("a data file is missing", path=name) from exc
         try:
@@ -765,8 +769,12 @@ class RetryingFileSystem(FileSystemBase):
             yield tensor_bytes.StreamSink(stream)
 
     @contextmanager
-    def open_data_source(self, path: str | os.PathLike[str]) -> Iterator[tensor_bytes.TensorSource]:
-        """A data file downloaded (and checked) in one retried call, then read locally."""
+    def open_data_source(
+        self, path: str | os.PathLike[str], *, hash_inline: bool = False
+    ) -> Iterator[tensor_bytes.TensorSource]:
+        """A data file downloaded (and checked) in one retried call, then read locally
+        (``hash_inline`` changes nothing: the download is hashed as it is copied)."""
+        del hash_inline
         with self.create_stream(path, "rb") as stream:
             yield tensor_bytes.StreamSource(stream, _relative(self.root, path))
 

@@ -2,18 +2,26 @@
 
 A restore of a state of many small tensors spends most of its time in Python and torch calls per
 tensor before it reads anything: parsing the record, planning, matching each destination against
-the pack (tens of milliseconds for 20,000 tensors). The pack's bytes, read and checked by DCP,
-depend on none of that: its size follows from the record alone. :class:`PackReadAhead` reads them
-into a buffer of their own on a thread (the file read and the checksum release the GIL) as soon as
-the record is parsed, and the restore uses that buffer when it is the one its match asks for.
+the pack (tens of milliseconds for 20,000 tensors). The pack's bytes depend on none of that: its
+size follows from the record alone. :class:`PackReadAhead` reads them into a buffer of their own
+on a thread as soon as the record is parsed, and the restore uses that buffer when it is the one
+its match asks for.
+
+The thread finds the pack's place in DCP's metadata and reads its bytes through the reader's own
+file system with :func:`ckptmgr.tensor_bytes.read_chunk`, the file checked whole against the
+record (size and CRC-32) as the reader's ``read_data`` checks it, rather than through a whole DCP
+load. While the restore's thread runs Python, a thread that has given up the GIL (for a file
+operation, or the checksum) waits up to the interpreter's switch interval, 5 ms, to get it back;
+a DCP load makes many more such calls than this read, and plans in Python besides (a pack of
+20 MB took 35 ms to load alone, and 73 ms beside a restore).
 
 It is an optimisation only: a read ahead that fails, or that the restore does not use, is waited
 for and dropped, and the restore reads the pack itself as it would have (so its errors are raised
 where and as they always are). The pack is read ahead only where it has a data file (nearly) to
 itself: every file read is checked whole, so a pack that DCP stored in one file with large
-tensors would have that file read twice. Only a restore in one process reads ahead: under
-torch.distributed, DCP's load is collective, and a second load beside the restore's own
-collectives could not be ordered against them.
+tensors would have that file read twice. Only a restore in one process, of raw tensor bytes
+(record format 2 and later), reads ahead: under torch.distributed, DCP's load is collective, and
+a second load beside the restore's own collectives could not be ordered against them.
 """
 
 from __future__ import annotations
@@ -24,15 +32,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from ckptmgr import dcp_io
+from ckptmgr import tensor_bytes
 from ckptmgr.packing import PACK_KEY
 from ckptmgr.tensor_table import TensorTable
 
 
 class PackReadAhead:
-    """The pack of one step, read with ``reader`` (a DCP reader of the step) on a thread of its
-    own into :attr:`buffer`."""
+    """The pack of one step, read through ``reader`` (a DCP reader of the step's raw tensor
+    bytes) on a thread of its own into :attr:`buffer`."""
 
     def __init__(self, size: int, reader: Any, file_sizes: Mapping[str, int]) -> None:
         self.buffer = torch.empty(size, dtype=torch.uint8)
@@ -52,10 +61,13 @@ class PackReadAhead:
         """Start reading the pack that ``table`` describes with ``reader``; ``file_sizes``: the
         step's files as its record lists them (path -> bytes). None when the table packs
         nothing, or its pack's size cannot be told or is over the largest data file's (a damaged
-        table, whose damage the restore's own checks name)."""
+        table, whose damage the restore's own checks name), or the reader's files do not hold
+        raw tensor bytes."""
         size = pack_size(table)
         data_files = [length for path, length in file_sizes.items() if path.endswith(".distcp")]
         if size is None or not data_files or size > max(data_files):
+            return None
+        if not getattr(reader, "raw", False):
             return None
         try:
             return cls(size, reader, file_sizes)
@@ -64,29 +76,50 @@ class PackReadAhead:
 
     def _run(self) -> None:
         try:
-            if not self._pack_has_its_file():
+            place = self._place_of_pack()
+            if place is None:
                 self.skipped = self._failed = True
                 return
-            dcp_io.load_tensors({PACK_KEY: self.buffer}, self._reader, None)
-        except BaseException:  # (DCP's CheckpointException is one) the restore reads the
-            self._failed = True  # pack again and raises what it finds
+            fs, size = self._reader.fs, self.buffer.numel()
+            path = fs.concat_path(self._reader.path, place.relative_path)
+            with fs.open_data_source(path, hash_inline=True) as source:
+                tensor_bytes.read_chunk(
+                    source, place.offset, place.length, torch.uint8, (size,), self.buffer
+                )
+                source.finish()
+        except BaseException:  # the restore reads the pack again and raises what it finds
+            self._failed = True
 
-    def _pack_has_its_file(self) -> bool:
-        """True when the file that holds the pack holds at most as many other bytes as the
-        pack's own. Every file read is checked whole (its CRC-32), so reading the pack out of a
-        file of large tensors too (where DCP put them together) would read that file twice:
-        once here, once for the tensors, which then waits for nothing else."""
+    def _place_of_pack(self) -> Any:
+        """Where DCP stored the pack (its ``relative_path``, ``offset`` and ``length``), when
+        it stored it whole, as one 1-d chunk of bytes of the size the record gives, in a file
+        that holds at most as many other bytes as the pack's own; else None. Every file read
+        is checked whole (its CRC-32), so reading the pack out of a file of large tensors too
+        (where DCP put them together) would read that file twice: once here, once for the
+        tensors, which then waits for nothing else."""
         metadata = self._reader.read_metadata()
+        stored = metadata.state_dict_metadata.get(PACK_KEY)
+        size = self.buffer.numel()
+        if not (
+            isinstance(stored, dcp_metadata.TensorStorageMetadata)
+            and stored.properties.dtype is torch.uint8
+            and tuple(stored.size) == (size,)
+            and len(stored.chunks) == 1
+            and tuple(stored.chunks[0].offsets) == (0,)
+        ):
+            return None
         places = [
             info
             for index, info in metadata.storage_data.items()
             if getattr(index, "fqn", None) == PACK_KEY
         ]
         if len(places) != 1:
-            return False
+            return None
         (place,) = places
         file_size = self._file_sizes.get(place.relative_path)
-        return file_size is not None and file_size - place.length <= place.length
+        if file_size is None or file_size - place.length > place.length:
+            return None
+        return place
 
     def wait(self) -> bool:
         """Wait until the read has ended; True when it filled :attr:`buffer` (False when it

@@ -121,9 +121,11 @@ class OrderedHasher:
     whose memory it views) is held until the piece is hashed. With ``max_backlog_bytes``,
     ``add`` waits while more than that many bytes handed to the thread are not hashed yet (for
     pieces whose memory exists only to be hashed, so that a slow hash cannot pile them up).
+    ``inline``: hash each piece in ``add`` instead, on the caller's thread (as everywhere where
+    ``PARALLEL_HASHING`` is off).
     """
 
-    def __init__(self, max_backlog_bytes: int | None = None) -> None:
+    def __init__(self, max_backlog_bytes: int | None = None, *, inline: bool = False) -> None:
         self._queue: queue.SimpleQueue[list[tuple[memoryview, Any]] | None] = queue.SimpleQueue()
         self._batch: list[tuple[memoryview, Any]] = []
         self._batch_bytes = 0
@@ -132,7 +134,7 @@ class OrderedHasher:
         self._max_backlog = max_backlog_bytes
         self._backlog = 0  # bytes queued for the thread and not hashed yet
         self._hashed = threading.Condition()
-        self._inline = not PARALLEL_HASHING
+        self._inline = inline or not PARALLEL_HASHING
         self._thread = threading.Thread(target=self._run, name="ckptmgr-crc32", daemon=True)
         if not self._inline:
             self._thread.start()
@@ -312,16 +314,22 @@ class VerifyingLocalFile:
 
     ``finish`` reads what is left, then checks the size and CRC-32 against ``check`` (a callable
     ``(size, crc) -> None`` that raises ``CorruptCheckpointError``), so damage anywhere in the
-    file is found even when only part of it was needed.
+    file is found even when only part of it was needed. ``hash_inline``: hash on the reading
+    thread rather than beside it (for a reader that is a background thread itself and reads one
+    piece: handing it to a hashing thread would only add a wait for the GIL).
     """
 
-    def __init__(self, path: str | os.PathLike[str], name: str, check: Any) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], name: str, check: Any, *, hash_inline: bool = False
+    ) -> None:
         self._file = open(path, "rb", buffering=0)
         self._name = name
         self._check = check
         self._hasher: OrderedHasher | None = None
         if check is not None:  # unneeded bytes are read into new buffers just to be hashed
-            self._hasher = OrderedHasher(max_backlog_bytes=READ_HASH_BACKLOG_BYTES)
+            self._hasher = OrderedHasher(
+                max_backlog_bytes=READ_HASH_BACKLOG_BYTES, inline=hash_inline
+            )
         self._position = 0
 
     def read_into(self, offset: int, piece: memoryview, owner: Any) -> None:

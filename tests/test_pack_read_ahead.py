@@ -13,7 +13,7 @@ import fsspec
 import pytest
 import torch
 
-from ckptmgr import CheckpointError, CheckpointManager, dcp_io
+from ckptmgr import CheckpointError, CheckpointManager, CorruptCheckpointError, dcp_io, tensor_bytes
 from ckptmgr.pack_read_ahead import PackReadAhead, pack_size
 from ckptmgr.packing import PACK_KEY
 from ckptmgr.tensor_table import TensorTable
@@ -50,6 +50,20 @@ def _noting_loads(monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
     return loads
 
 
+def _noting_chunk_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes of every stored chunk read from a data file (by the read ahead or by DCP's
+    load), in order."""
+    reads: list[int] = []
+    real = tensor_bytes.read_chunk
+
+    def noting(source: Any, offset: int, length: int, *args: Any) -> torch.Tensor:
+        reads.append(length)
+        return real(source, offset, length, *args)
+
+    monkeypatch.setattr(tensor_bytes, "read_chunk", noting)
+    return reads
+
+
 def test_pack_size_is_the_end_of_the_last_packed_tensor() -> None:
     table = TensorTable(
         ["a", "big", "b", "c", "d"],
@@ -74,15 +88,18 @@ def test_pack_size_matches_the_stored_pack(tmp_path: Path) -> None:
 
 
 def test_restore_reads_the_pack_ahead_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pack is read once, by the read ahead, and restore's own load has nothing left to
-    read; every tensor round-trips bit-exact."""
+    """The pack is read once, by the read ahead (straight from its data file, not through a
+    DCP load), and restore has nothing left to load; every tensor round-trips bit-exact."""
     state = _state()
     target = {key: torch.zeros_like(value) for key, value in state.items()}
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, state)
+        pack_bytes = pack_size(mgr._storage.read_record(1).tensor_table)
         loads = _noting_loads(monkeypatch)
+        reads = _noting_chunk_reads(monkeypatch)
         mgr.restore(1, target)
-    assert loads == [{PACK_KEY}]
+    assert loads == []
+    assert reads == [pack_bytes]
     for key, value in state.items():
         assert torch.equal(target[key].view(torch.uint8), value.view(torch.uint8)), key
     assert not [t for t in threading.enumerate() if t.name == "ckptmgr-pack-read"]
@@ -122,23 +139,26 @@ def test_a_failed_read_ahead_is_read_again_by_restore(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fault injection: the read ahead fails (a transient error); restore reads the pack
-    itself and succeeds."""
+    itself with DCP's load and succeeds."""
     state = _state()
     target = {key: torch.zeros_like(value) for key, value in state.items()}
-    loads: list[set[str]] = []
-    real = dcp_io.load_tensors
+    reads: list[int] = []
+    real = tensor_bytes.read_chunk
 
-    def failing_first(tensors: dict[str, torch.Tensor], *args: Any) -> None:
-        loads.append(set(tensors))
-        if len(loads) == 1:
+    def failing_first(source: Any, offset: int, length: int, *args: Any) -> torch.Tensor:
+        reads.append(length)
+        if len(reads) == 1:
             raise OSError("injected: connection reset")
-        real(tensors, *args)
+        return real(source, offset, length, *args)
 
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, state)
-        monkeypatch.setattr(dcp_io, "load_tensors", failing_first)
+        pack_bytes = pack_size(mgr._storage.read_record(1).tensor_table)
+        loads = _noting_loads(monkeypatch)
+        monkeypatch.setattr(tensor_bytes, "read_chunk", failing_first)
         mgr.restore(1, target)
-    assert loads == [{PACK_KEY}, {PACK_KEY}]
+    assert reads == [pack_bytes, pack_bytes]
+    assert loads == [{PACK_KEY}]
     assert all(torch.equal(target[key], value) for key, value in state.items())
 
 
@@ -149,9 +169,11 @@ def test_a_restore_that_wants_no_packed_tensor_drops_the_read_ahead(
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, {**_state(), "epoch": 3})
         loads = _noting_loads(monkeypatch)
+        reads = _noting_chunk_reads(monkeypatch)
         target: dict[str, Any] = {"epoch": 0}
         mgr.restore(1, target)
-    assert loads == [{PACK_KEY}]
+    assert len(reads) == 1  # (the read ahead's)
+    assert loads == []
     assert target == {"epoch": 3}
     assert not [t for t in threading.enumerate() if t.name == "ckptmgr-pack-read"]
 
@@ -163,11 +185,11 @@ def test_a_restore_that_fails_to_match_waits_for_the_read_ahead(
     read ahead (held until restore waits for it) has ended; no destination was written."""
     state = _state()
     release = threading.Event()
-    real_load, real_wait = dcp_io.load_tensors, PackReadAhead.wait
+    real_read, real_wait = tensor_bytes.read_chunk, PackReadAhead.wait
 
-    def held(tensors: dict[str, torch.Tensor], *args: Any) -> None:
+    def held(*args: Any) -> torch.Tensor:
         assert release.wait(30)
-        real_load(tensors, *args)
+        return real_read(*args)
 
     def releasing_wait(self: PackReadAhead) -> bool:
         release.set()
@@ -177,7 +199,7 @@ def test_a_restore_that_fails_to_match_waits_for_the_read_ahead(
     target["small/f32/0"] = torch.zeros(4, 4)
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, state)
-        monkeypatch.setattr(dcp_io, "load_tensors", held)
+        monkeypatch.setattr(tensor_bytes, "read_chunk", held)
         monkeypatch.setattr(PackReadAhead, "wait", releasing_wait)
         with pytest.raises(CheckpointError, match="shape"):
             mgr.restore(1, target)
@@ -192,3 +214,55 @@ def test_no_read_ahead_of_a_pack_larger_than_the_data_files() -> None:
     table = TensorTable(["a"], ["float32"], [[4]], [2**50])
     assert PackReadAhead.start(table, None, {"__0_0.distcp": 10**6}) is None
     assert PackReadAhead.start(table, None, {"commit.json": 10**18}) is None
+
+
+def test_a_reader_of_torch_save_items_gets_no_read_ahead(tmp_path: Path) -> None:
+    """Data files of record format 1 hold DCP's ``torch.save`` items, not raw bytes: nothing
+    is read ahead."""
+    table = TensorTable(["a"], ["float32"], [[4]], [0])
+    reader = dcp_io.make_reader(str(tmp_path), local=True, storage_options={}, raw=False)
+    assert PackReadAhead.start(table, reader, {"__0_0.distcp": 16}) is None
+
+
+def test_a_pack_stored_otherwise_than_the_record_says_is_not_read_ahead(tmp_path: Path) -> None:
+    """DCP's metadata must show the pack whole, as one chunk of bytes of the size the record
+    gives; a read ahead of another size is skipped (the restore's own load then checks)."""
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, _state())
+        record = mgr._storage.read_record(1)
+        reader = mgr._step_reader(1, None, True)
+    size = pack_size(record.tensor_table)
+    assert size is not None
+    file_sizes = {entry.path: entry.size for entry in record.files}
+    read = PackReadAhead(size, reader, file_sizes)
+    assert read.wait() and not read.skipped
+    wrong = PackReadAhead(size + 8, reader, file_sizes)
+    assert not wrong.wait() and wrong.skipped
+
+
+def test_a_damaged_pack_fails_the_read_ahead_and_restore_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flipped byte in the pack's data file: the read ahead finds it and is dropped, and the
+    restore's own load raises ``CorruptCheckpointError`` naming the file, as without it."""
+    state = _state()
+    target = {key: torch.zeros_like(value) for key, value in state.items()}
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, state)
+        (data_file,) = tmp_path.glob("*/*.distcp")
+        damaged = bytearray(data_file.read_bytes())
+        damaged[5] ^= 0xFF
+        data_file.write_bytes(bytes(damaged))
+        outcomes: list[bool] = []
+        real_wait = PackReadAhead.wait
+
+        def noting_wait(self: PackReadAhead) -> bool:
+            outcomes.append(real_wait(self))
+            return outcomes[-1]
+
+        monkeypatch.setattr(PackReadAhead, "wait", noting_wait)
+        loads = _noting_loads(monkeypatch)
+        with pytest.raises(CorruptCheckpointError, match=data_file.name):
+            mgr.restore(1, target)
+    assert outcomes and not any(outcomes)
+    assert loads == [{PACK_KEY}]
