@@ -422,7 +422,9 @@ def _direct_state() -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.mark.parametrize("layout", ["saved order", "reversed", "subset", "one dtype", "1-d only"])
+@pytest.mark.parametrize(
+    "layout", ["saved order", "reversed", "subset", "one dtype", "1-d only", "one dtype, 1-d"]
+)
 def test_the_direct_path_makes_the_runs_that_matching_one_by_one_makes(
     tmp_path: Path, layout: str
 ) -> None:
@@ -441,6 +443,8 @@ def test_the_direct_path_makes_the_runs_that_matching_one_by_one_makes(
         keys = [key for key in keys if saved[key].dtype == torch.float32]
     elif layout == "1-d only":
         keys = [key for key in keys if saved[key].dim() == 1]
+    elif layout == "one dtype, 1-d":
+        keys = [key for key in keys if saved[key].dtype == torch.float32 and saved[key].dim() == 1]
     destinations = {key: torch.zeros_like(saved[key]) for key in keys}
     direct = pack_load._direct_runs(destinations, record.tensor_table, {})
     assert direct is not None
@@ -507,6 +511,38 @@ def test_destinations_the_direct_path_leaves_to_matching_one_by_one(
         if value.device.type != "meta":
             expected = saved[name].to(value.dtype)
             assert torch.equal(value.resolve_neg(), expected), name
+
+
+@pytest.mark.parametrize("odd_one", ["longer", "shorter", "other dtype", "2-d of the same size"])
+def test_one_odd_destination_among_1d_tensors_of_one_dtype_leaves_the_direct_path(
+    tmp_path: Path, odd_one: str
+) -> None:
+    """Where every stored tensor is 1-d and of one dtype (the direct path's quickest checks),
+    one destination of another length, dtype or shape sends the restore to the matching one by
+    one, which raises for a shape (naming it) and converts another dtype; no destination of a
+    failed restore was written."""
+    saved = {f"t{i}": torch.randn(4) for i in range(50)}
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+    record = _record_of(tmp_path)
+    target = {key: torch.zeros_like(value) for key, value in saved.items()}
+    assert pack_load._direct_runs(target, record.tensor_table, {}) is not None
+    target["t31"] = {
+        "longer": torch.zeros(5),
+        "shorter": torch.zeros(3),
+        "other dtype": torch.zeros(4, dtype=torch.float64),
+        "2-d of the same size": torch.zeros(2, 2),
+    }[odd_one]
+    assert pack_load._direct_runs(target, record.tensor_table, {}) is None
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        if odd_one != "other dtype":
+            with pytest.raises(CheckpointError, match="t31"):
+                manager.restore(1, target)
+            assert all(not value.any() for value in target.values())
+            return
+        manager.restore(1, target)
+    for key, value in target.items():
+        assert torch.equal(value, saved[key].to(value.dtype)), key
 
 
 def test_lazy_negative_views_are_filled_by_the_direct_path(tmp_path: Path) -> None:
