@@ -321,8 +321,9 @@ def plan_restore(
     if not isinstance(state, MutableMapping):
         raise CheckpointError(f"state_dict must be a dict, got {type(state).__qualname__}")
     objects_rank = rank if objects_rank is None else objects_rank
+    saved_names = saved_tensors if type(saved_tensors) is list else list(saved_tensors)
     planner = _RestorePlanner(
-        TrainingObjects(state), set(saved_tensors), saved_objects, rank, objects_rank
+        TrainingObjects(state), saved_names, saved_objects, rank, objects_rank
     )
     try:
         if type(state) is dict:
@@ -396,17 +397,23 @@ class _RestorePlanner:
     def __init__(
         self,
         training: TrainingObjects,
-        saved_tensors: set[str],
+        saved_names: list[str],
         saved_objects: Mapping[str, Any],
         rank: int,
         objects_rank: int,
     ) -> None:
         self.training = training
-        self.saved_tensors = saved_tensors
+        self.saved_names = saved_names
+        self._saved_after = 0  # the position in saved_names after the last run found in order
         self.saved_objects = saved_objects
         self.rank = rank
         self.objects_rank = objects_rank
         self.plan = RestorePlan()
+
+    @functools.cached_property
+    def saved_tensors(self) -> set[str]:
+        """The stored tensor names (a set made when first needed)."""
+        return set(self.saved_names)
 
     @functools.cached_property
     def tensor_paths(self) -> set[str]:
@@ -556,9 +563,21 @@ class _RestorePlanner:
         if private:
             prefix = rank_private_name("", self.rank)
             names = [prefix + path for path in paths]
-        if not self.saved_tensors.issuperset(names):
+        if not (self._saved_in_order(names) or self.saved_tensors.issuperset(names)):
             return False
         self.plan.tensors.update(zip(names, tensors, strict=True))
+        return True
+
+    def _saved_in_order(self, names: list[str]) -> bool:
+        """True when ``names`` are the stored names right after the last run found so (or the
+        first ones): a state restored in the order it was saved is found by comparing lists,
+        without hashing each new path for a set lookup (and without the set, made only where
+        needed)."""
+        start = self._saved_after
+        stop = start + len(names)
+        if self.saved_names[start:stop] != names:
+            return False
+        self._saved_after = stop
         return True
 
     def _plan_each(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import random
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -512,6 +513,27 @@ def test_a_dict_of_tensors_plans_each_key_at_its_path_in_order(
     got = planned(state, with_decoys(flat.tensors), flat.objects)
     assert [name for name, _ in got] == [join_path(prefix, key) for key in keys]
     assert all(tensor is want for (_, tensor), want in zip(got, tensors, strict=True))
+
+
+@pytest.mark.parametrize("order", ["as walked", "reversed", "shuffled", "others between"])
+def test_the_plan_does_not_depend_on_the_order_of_the_stored_names(order: str) -> None:
+    """Runs of tensors are found among the stored names by comparing lists where the names are
+    stored in the order the state is walked, else by set lookups: the plan is the same."""
+    n = 5 * BATCH
+    state = {
+        "a": {f"k{i}": torch.zeros(1) for i in range(n)},
+        "b": [torch.zeros(1) for _ in range(n)],
+        "c": {f"p{i}": {"x": torch.zeros(1), "y": torch.zeros(1)} for i in range(n)},
+    }
+    flat = flatten(state)
+    names = list(flat.tensors)
+    if order == "reversed":
+        names.reverse()
+    elif order == "shuffled":
+        random.Random(0).shuffle(names)
+    elif order == "others between":
+        names = [stored for i, name in enumerate(names) for stored in (name, f"other/{i}")]
+    assert_same_plan(planned(state, names, flat.objects), expected_plan(state))
 
 
 @pytest.mark.parametrize("n", SIZES)
