@@ -1072,7 +1072,9 @@ class CheckpointManager:
         reader of its own; None when the step has no pack or its record lists no data file."""
         file_sizes = {entry.path: entry.size for entry in record.files}
         reader = self._step_reader(step, expected, raw)
-        return PackReadAhead.start(record.tensor_table, reader, file_sizes)
+        return PackReadAhead.start(
+            record.tensor_table, reader, file_sizes, local=self._storage.is_local
+        )
 
     def _step_reader(self, step: int, expected: Any, raw: bool) -> Any:
         """A DCP reader of ``step``'s files (see :func:`ckptmgr.dcp_io.make_reader`)."""

@@ -43,7 +43,12 @@ class PackReadAhead:
     """The pack of one step, read through ``reader`` (a DCP reader of the step's raw tensor
     bytes) on a thread of its own into :attr:`buffer`."""
 
-    def __init__(self, size: int, reader: Any, file_sizes: Mapping[str, int]) -> None:
+    def __init__(
+        self, size: int, reader: Any, file_sizes: Mapping[str, int], *, local: bool = False
+    ) -> None:
+        """``local``: ``reader`` reads a local disk, and DCP's metadata is read here, before the
+        thread starts (a small local read, whose file operations would each wait for the GIL
+        on the thread); on a remote store the thread downloads it."""
         self.buffer = torch.empty(size, dtype=torch.uint8)
         """The pack's bytes, once :meth:`wait` returned True."""
         self.skipped = False
@@ -51,18 +56,31 @@ class PackReadAhead:
         self._reader = reader
         self._file_sizes = file_sizes
         self._failed = False
-        self._thread = threading.Thread(target=self._run, name="ckptmgr-pack-read", daemon=True)
+        self._thread: threading.Thread | None = None
+        place = None
+        if local:
+            try:
+                place = self._place_of_pack()
+            except Exception:  # (damaged metadata) the restore's own load raises what it finds
+                self._failed = True
+                return
+            if place is None:
+                self.skipped = self._failed = True
+                return
+        self._thread = threading.Thread(
+            target=self._run, args=(place,), name="ckptmgr-pack-read", daemon=True
+        )
         self._thread.start()
 
     @classmethod
     def start(
-        cls, table: TensorTable, reader: Any, file_sizes: Mapping[str, int]
+        cls, table: TensorTable, reader: Any, file_sizes: Mapping[str, int], *, local: bool = False
     ) -> PackReadAhead | None:
         """Start reading the pack that ``table`` describes with ``reader``; ``file_sizes``: the
-        step's files as its record lists them (path -> bytes). None when the table packs
-        nothing, or its pack's size cannot be told or is over the largest data file's (a damaged
-        table, whose damage the restore's own checks name), or the reader's files do not hold
-        raw tensor bytes."""
+        step's files as its record lists them (path -> bytes); ``local`` as for the
+        constructor. None when the table packs nothing, or its pack's size cannot be told or is
+        over the largest data file's (a damaged table, whose damage the restore's own checks
+        name), or the reader's files do not hold raw tensor bytes."""
         size = pack_size(table)
         data_files = [length for path, length in file_sizes.items() if path.endswith(".distcp")]
         if size is None or not data_files or size > max(data_files):
@@ -70,13 +88,14 @@ class PackReadAhead:
         if not getattr(reader, "raw", False):
             return None
         try:
-            return cls(size, reader, file_sizes)
+            return cls(size, reader, file_sizes, local=local)
         except (MemoryError, RuntimeError):  # (no memory for the buffer, no thread left)
             return None
 
-    def _run(self) -> None:
+    def _run(self, place: Any) -> None:
+        """Read the pack from ``place`` (its place in DCP's metadata; None: look it up first)."""
         try:
-            place = self._place_of_pack()
+            place = place or self._place_of_pack()
             if place is None:
                 self.skipped = self._failed = True
                 return
@@ -124,7 +143,8 @@ class PackReadAhead:
     def wait(self) -> bool:
         """Wait until the read has ended; True when it filled :attr:`buffer` (False when it
         failed or was skipped: the restore then reads the pack itself)."""
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         return not self._failed
 
 

@@ -64,6 +64,12 @@ def _noting_chunk_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return reads
 
 
+def _packed_bytes(root: Path) -> torch.Tensor:
+    """The bytes of the one data file of the one step under ``root``."""
+    (data_file,) = root.glob("*/*.distcp")
+    return torch.frombuffer(bytearray(data_file.read_bytes()), dtype=torch.uint8)
+
+
 def test_pack_size_is_the_end_of_the_last_packed_tensor() -> None:
     table = TensorTable(
         ["a", "big", "b", "c", "d"],
@@ -224,9 +230,13 @@ def test_a_reader_of_torch_save_items_gets_no_read_ahead(tmp_path: Path) -> None
     assert PackReadAhead.start(table, reader, {"__0_0.distcp": 16}) is None
 
 
-def test_a_pack_stored_otherwise_than_the_record_says_is_not_read_ahead(tmp_path: Path) -> None:
+@pytest.mark.parametrize("local", [True, False], ids=["metadata read first", "on the thread"])
+def test_a_pack_stored_otherwise_than_the_record_says_is_not_read_ahead(
+    tmp_path: Path, local: bool
+) -> None:
     """DCP's metadata must show the pack whole, as one chunk of bytes of the size the record
-    gives; a read ahead of another size is skipped (the restore's own load then checks)."""
+    gives; a read ahead of another size is skipped (the restore's own load then checks).
+    Alike where the metadata is read before the thread starts (a local disk) or on it."""
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, _state())
         record = mgr._storage.read_record(1)
@@ -234,10 +244,28 @@ def test_a_pack_stored_otherwise_than_the_record_says_is_not_read_ahead(tmp_path
     size = pack_size(record.tensor_table)
     assert size is not None
     file_sizes = {entry.path: entry.size for entry in record.files}
-    read = PackReadAhead(size, reader, file_sizes)
+    read = PackReadAhead(size, reader, file_sizes, local=local)
     assert read.wait() and not read.skipped
-    wrong = PackReadAhead(size + 8, reader, file_sizes)
+    assert torch.equal(read.buffer[:16], _packed_bytes(tmp_path)[:16])
+    wrong = PackReadAhead(size + 8, reader, file_sizes, local=local)
     assert not wrong.wait() and wrong.skipped
+
+
+def test_damaged_metadata_fails_the_read_ahead_before_its_thread_starts(tmp_path: Path) -> None:
+    """On a local disk the metadata is read before the thread starts: damaged, it fails the
+    read ahead (not the restore, whose own load raises what it finds), and no thread runs."""
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, _state())
+        record = mgr._storage.read_record(1)
+        reader = mgr._step_reader(1, None, True)
+    (metadata_file,) = tmp_path.glob("*/.metadata")
+    metadata_file.write_bytes(b"not a pickle")
+    size = pack_size(record.tensor_table)
+    assert size is not None
+    file_sizes = {entry.path: entry.size for entry in record.files}
+    read = PackReadAhead(size, reader, file_sizes, local=True)
+    assert read._thread is None
+    assert not read.wait() and not read.skipped
 
 
 def test_a_damaged_pack_fails_the_read_ahead_and_restore_names_the_file(
