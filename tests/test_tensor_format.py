@@ -943,8 +943,8 @@ class HashingAtTheEnd(tensor_bytes.OrderedHasher):
     """Fault injection: a hashing thread that runs as late as it may, hashing nothing before
     ``result()``."""
 
-    def __init__(self, max_backlog_bytes: int | None = None) -> None:
-        super().__init__(max_backlog_bytes)
+    def __init__(self, max_backlog_bytes: int | None = None, *, inline: bool = False) -> None:
+        super().__init__(max_backlog_bytes, inline=inline)
         self._held: list[tuple[memoryview, Any]] = []
 
     def add(self, piece: memoryview, owner: Any = None) -> None:
