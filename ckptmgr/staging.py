@@ -568,16 +568,12 @@ class StagingBuffers:
                     flat = torch._C._nn.flatten_dense_tensors(members)
                     out.copy_(flat, non_blocking=pinned)
                 for dst, src in cuda_pairs:
-                    # A lazily conjugated or negated source is copied blocking: a non-blocking
-                    # copy applies the conjugation or negation to the host buffer before the
-                    # bytes arrive (pytorch/pytorch#146286), and they then overwrite it.
-                    lazy = src.is_conj() or src.is_neg()
-                    dst.copy_(src, non_blocking=pinned and not lazy)
+                    dst.copy_(_resolved_if_lazy(src), non_blocking=pinned)
             used.append(stream)
         for stream in used:
             stream.synchronize()
         for dst, src in other_pairs:
-            dst.copy_(src)
+            dst.copy_(_resolved_if_lazy(src))
         for device in {s.device for _, s in other_pairs}:
             torch.get_device_module(device).synchronize(device)
 
@@ -591,6 +587,24 @@ class StagingBuffers:
         if DTensor is not None and isinstance(original, DTensor):
             return DTensor(buffer, original._spec, requires_grad=False)
         return buffer
+
+
+def _resolved_if_lazy(source: torch.Tensor) -> torch.Tensor:
+    """``source``, or where it is a lazily conjugated or negated view (``z.conj()``,
+    ``z.conj().imag``) a plain copy of it on its own device, for a copy to the host.
+
+    torch's copy across devices applies such a bit wrongly: from a non-contiguous view it makes
+    a contiguous temporary (which resolves the bit) and then marks the temporary with the bit
+    again, so the bit is applied twice (``copy_kernel_cuda``; seen on an H200 with torch 2.11,
+    where a strided negated view came back with its sign flipped). A non-blocking copy of such a
+    view applies the bit to the host buffer before the bytes arrive, which then overwrite it
+    (pytorch/pytorch#146286). A resolved copy has neither bit: it is copied like any tensor,
+    non-blocking too (the temporary belongs to the copy's stream, whose later work alone may
+    reuse its memory).
+    """
+    if source.is_conj() or source.is_neg():
+        return source.resolve_conj().resolve_neg()
+    return source
 
 
 _MIN_CAT_RUN = 4

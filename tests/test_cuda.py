@@ -359,7 +359,7 @@ def test_small_device_tensors_flattened_in_bounded_pieces(
 
         return flatten_and_note
 
-    monkeypatch.setattr(packing, "_flatten_dense_tensors", watched(packing._flatten_dense_tensors))
+    monkeypatch.setattr(packing, "_flatten", watched(packing._flatten))
     monkeypatch.setattr(
         torch._C._nn, "flatten_dense_tensors", watched(torch._C._nn.flatten_dense_tensors)
     )

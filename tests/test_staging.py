@@ -682,16 +682,38 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @cuda
-def test_cuda_conjugated_and_negated_sources_are_staged_with_their_values() -> None:
-    """A non-blocking device-to-host copy of a lazily conjugated (or negated) tensor applies
-    the conjugation to the host buffer before the bytes arrive (pytorch/pytorch#146286); such
-    sources are copied blocking."""
+@pytest.mark.parametrize("pack", [None, any_name], ids=["unpacked", "packed"])
+def test_cuda_conjugated_and_negated_sources_are_staged_with_their_values(
+    pack: PackFilter | None,
+) -> None:
+    """Lazily conjugated or negated device tensors are staged with the values they stand for:
+    contiguous or not (torch's copy across devices of a non-contiguous one applies the bit
+    twice), copied one by one or flattened on the device with neighbours of their dtype
+    (packed), on the first save and when the layout is reused. (A non-blocking copy of such a
+    view would also apply the bit to the host buffer before the bytes arrive,
+    pytorch/pytorch#146286.)"""
     z = torch.randn(1000, dtype=torch.complex64, device="cuda")
-    state = {"conj": z.conj(), "neg": z.conj().imag, "plain": torch.randn(1000, device="cuda")}
+    m = torch.randn(40, 30, dtype=torch.complex64, device="cuda")
+    state = {
+        "conj": z.conj(),  # contiguous
+        "conj/strided": z[::2].conj(),
+        "conj/transposed": m.t().conj(),
+        "complex/plain": torch.randn(64, dtype=torch.complex64, device="cuda"),
+        "neg": z.conj().imag,  # stride 2
+        "neg/2d": m.conj().imag.t(),
+        "plain": torch.randn(1000, device="cuda"),
+        "plain/2": torch.randn(7, 3, device="cuda"),
+    }
+    assert not state["neg"].is_contiguous() and state["neg"].is_neg()
+    assert not state["conj/strided"].is_contiguous() and state["conj/strided"].is_conj()
     expected = {key: value.resolve_conj().resolve_neg().cpu() for key, value in state.items()}
     buffers = StagingBuffers()
     for _ in range(2):  # the first layout, then the reused one
-        _assert_exact(buffers.stage(state), expected)
+        staged = buffers.stage(state, pack=pack)
+        got = _unpacked(staged, buffers.packed) if PACK_KEY in staged else staged
+        _assert_exact(got, expected)
+    if pack is not None:
+        assert buffers.packed.keys() == state.keys()
 
 
 @cuda
