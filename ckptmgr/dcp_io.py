@@ -486,26 +486,46 @@ class _RawTensorReader:
             by_chunk.items(), key=lambda pair: self.storage_data[pair[1][0].storage_index].offset
         )
         loaded: list[tuple[list[ReadItem], torch.Tensor, torch.Tensor | None]] = []
-        with self.fs.open_data_source(self.fs.concat_path(self.path, name)) as source:
-            for key, chunk_requests in ordered:
-                found = self._chunks.get(key)
-                if found is None:
-                    raise CorruptCheckpointError(
-                        f"no stored chunk {key} in the checkpoint metadata", path=name
+        devices: set[torch.device] = set()  # CUDA devices with copies in flight
+        try:
+            with self.fs.open_data_source(self.fs.concat_path(self.path, name)) as source:
+                for key, chunk_requests in ordered:
+                    found = self._chunks.get(key)
+                    if found is None:
+                        raise CorruptCheckpointError(
+                            f"no stored chunk {key} in the checkpoint metadata", path=name
+                        )
+                    dtype, sizes = found
+                    info = self.storage_data[chunk_requests[0].storage_index]
+                    direct = None
+                    alone = len(chunk_requests) == 1 and id(chunk_requests[0]) not in self._shared
+                    if alone and _whole(chunk_requests[0], sizes):
+                        target = planner.resolve_tensor(chunk_requests[0]).detach()
+                        if tensor_bytes.reads_directly_into(target, dtype, sizes):
+                            direct = target
+                        elif tensor_bytes.streams_to_device(target, dtype, sizes):
+                            # (a whole CUDA destination: through pinned pieces, no host copy)
+                            if target.is_cuda:
+                                devices.add(target.device)
+                            tensor_bytes.read_chunk_to_device(
+                                source,
+                                info.offset,
+                                info.length,
+                                dtype,
+                                sizes,
+                                target,
+                                pin=target.is_cuda,
+                            )
+                            loaded.append((chunk_requests, target, target))
+                            continue
+                    data = tensor_bytes.read_chunk(
+                        source, info.offset, info.length, dtype, sizes, direct
                     )
-                dtype, sizes = found
-                info = self.storage_data[chunk_requests[0].storage_index]
-                direct = None
-                alone = len(chunk_requests) == 1 and id(chunk_requests[0]) not in self._shared
-                if alone and _whole(chunk_requests[0], sizes):
-                    target = planner.resolve_tensor(chunk_requests[0]).detach()
-                    if tensor_bytes.reads_directly_into(target, dtype, sizes):
-                        direct = target
-                data = tensor_bytes.read_chunk(
-                    source, info.offset, info.length, dtype, sizes, direct
-                )
-                loaded.append((chunk_requests, data, direct))
-            source.finish()
+                    loaded.append((chunk_requests, data, direct))
+                source.finish()
+        finally:  # no copy into a destination goes on after this (even on an error)
+            for device in devices:
+                torch.cuda.current_stream(device).synchronize()
         for chunk_requests, data, direct in loaded:
             for request in chunk_requests:
                 if direct is not None:

@@ -10,8 +10,10 @@ dtype and chunk shape, so nothing else is needed to read the bytes back.
   the whole ``write`` call; the file's CRC-32 is computed by :class:`OrderedHasher` on a second
   thread while the next bytes are written.
 * Reading goes straight into the destination tensor when it is the whole stored chunk and laid
-  out like it (the usual in-place restore); otherwise into a temporary that is then narrowed and
-  copied. A local file is hashed while it is read and checked at the end (``finish``).
+  out like it (the usual in-place restore); into a CUDA destination laid out like it, through
+  pieces of pinned host memory, each copied to the device while the next is read
+  (:func:`read_chunk_to_device`); otherwise into a temporary that is then narrowed and copied.
+  A local file is hashed while it is read and checked at the end (``finish``).
 """
 
 from __future__ import annotations
@@ -446,6 +448,68 @@ def read_chunk(
     With ``into`` (a contiguous CPU tensor of exactly that shape and dtype) the bytes land in it
     directly and it is returned; otherwise a new tensor is returned.
     """
+    _check_chunk_length(length, dtype, sizes)
+    target = into if into is not None else torch.empty(sizes, dtype=dtype)
+    if length:
+        source.read_into(offset, byte_view(target), target)
+    return target
+
+
+DEVICE_READ_PIECE_BYTES = 8 * 2**20
+"""A stored chunk bound for a CUDA tensor is read in pieces of at most this many bytes, each into
+pinned host memory and copied to the device while the next piece is read."""
+
+
+def streams_to_device(target: torch.Tensor, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
+    """True when a stored chunk of ``sizes``/``dtype`` can be read into ``target``, a CUDA
+    tensor, piece by piece (:func:`read_chunk_to_device`)."""
+    return (
+        target.device.type == "cuda"
+        and target.dtype == dtype
+        and tuple(target.shape) == tuple(sizes)
+        and target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
+    )
+
+
+def read_chunk_to_device(
+    source: TensorSource,
+    offset: int,
+    length: int,
+    dtype: torch.dtype,
+    sizes: tuple[int, ...],
+    target: torch.Tensor,
+    *,
+    pin: bool,
+) -> None:
+    """Read the stored chunk (``sizes``, ``dtype``) at ``offset`` into ``target`` (contiguous,
+    of exactly that shape and dtype, on any device) without a host copy of the whole chunk.
+
+    Each piece of at most ``DEVICE_READ_PIECE_BYTES`` is read into a new host tensor (pinned
+    with ``pin``, from torch's caching host allocator) and copied to its place in ``target``,
+    non-blocking when pinned, on the current stream of ``target``'s device: the next piece is
+    read while it is copied. The caller synchronises that stream before ``target`` is used.
+    A piece's memory is reused only once its copy is done (the caching host allocator waits
+    for the copy it recorded) and once ``source`` has hashed it (it holds the piece, as the
+    piece's owner, until then). The pinned pieces stay in torch's host cache after the restore:
+    per file read at once, at most the hashing backlog (``READ_HASH_BACKLOG_BYTES``) and one
+    piece.
+    """
+    _check_chunk_length(length, dtype, sizes)
+    flat = target.reshape(-1).view(torch.uint8)
+    done = 0
+    while done < length:
+        count = min(DEVICE_READ_PIECE_BYTES, length - done)
+        piece = torch.empty(count, dtype=torch.uint8, pin_memory=pin)
+        source.read_into(offset + done, byte_view(piece), piece)
+        flat[done : done + count].copy_(piece, non_blocking=pin)
+        done += count
+
+
+def _check_chunk_length(length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> None:
+    """Raise ``CorruptCheckpointError`` unless a chunk of ``sizes``/``dtype`` is ``length``
+    bytes."""
     element = torch.empty((), dtype=dtype).element_size()
     numel = 1
     for size in sizes:
@@ -455,10 +519,6 @@ def read_chunk(
             f"a stored chunk of {list(sizes)} {dtype} should be {numel * element} bytes, the "
             f"metadata says {length}"
         )
-    target = into if into is not None else torch.empty(sizes, dtype=dtype)
-    if length:
-        source.read_into(offset, byte_view(target), target)
-    return target
 
 
 def byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
