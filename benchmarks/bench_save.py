@@ -262,6 +262,8 @@ class Bench:
         )
         self.process_manager: CheckpointManager | None = None  # async_mode="process", on demand
         self.step = 0
+        self._serial = 0  # (see fresh())
+        self._outputs: dict[str, list[Path]] = {}
         self.raw = scratch / "raw.bin"
         self.raw_write()  # a file for the read floor from round 0 on
         self.dcp_dir = scratch / "dcp-load"
@@ -275,9 +277,31 @@ class Bench:
             self.process_manager.close()
 
     def fresh(self, name: str) -> Path:
-        path = self.scratch / name
-        shutil.rmtree(path, ignore_errors=True)
+        """A new path for one more output named ``name`` (a file or a directory), beside the
+        outputs of that name still there: :meth:`retire` deletes those, after the write.
+
+        Every writer writes its new output while its previous one is still there and deletes
+        that one only afterwards, untimed, as ckptmgr must (retention deletes the last good step
+        only after the new one has committed). Deleting first would let the write reuse the
+        blocks it just freed: on a thin-provisioned disk with online discard (the benchmark
+        machine's ext4 is mounted with ``discard``), blocks freed seconds ago are still backed
+        and write fast, blocks discarded long ago cost an allocation in the host (1.2 GB
+        written and fsynced: 2.3-2.6 s into a file just deleted, 3.3-5.0 s beside it).
+        """
+        self._serial += 1
+        path = self.scratch / f"{self._serial:04d}-{name}"
+        self._outputs.setdefault(name, []).append(path)
         return path
+
+    def retire(self, name: str) -> None:
+        """Delete every output named ``name`` but the newest."""
+        paths = self._outputs.get(name, [])
+        for old in paths[:-1]:
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
+        del paths[:-1]
 
     # floors
     def memcpy(self) -> Record:
@@ -293,16 +317,19 @@ class Bench:
         return {"blocking": time.perf_counter() - started}
 
     def raw_write(self) -> Record:
-        # a new file, as every save writes: truncating the old one would be timed too (freeing
-        # 1 GiB of cached pages takes about 0.3 s on the benchmark machine)
-        self.raw.unlink(missing_ok=True)
+        # a new file beside the last, as every save writes (see fresh()): truncating the old
+        # one would be timed too (freeing 1 GiB of cached pages takes about 0.3 s here)
+        path = self.fresh("raw.bin")
         started = time.perf_counter()
-        with open(self.raw, "wb") as handle:
+        with open(path, "wb") as handle:
             for tensor in self.targets.values():
                 handle.write(memoryview(tensor.numpy()).cast("B"))
             handle.flush()
             os.fsync(handle.fileno())
-        return {"blocking": time.perf_counter() - started}
+        took = time.perf_counter() - started
+        self.raw = path  # (what the read floor reads)
+        self.retire("raw.bin")
+        return {"blocking": took}
 
     def raw_read(self) -> Record:
         drop_cache(self.raw)
@@ -324,10 +351,7 @@ class Bench:
             self.blob.fill_(1)
         blob = self.blob
 
-        path = self.scratch / "raw-background.bin"
-        path.unlink(missing_ok=True)
-
-        def write() -> None:
+        def write(path: Path) -> None:
             with open(path, "wb", buffering=0) as handle:
                 view = memoryview(blob.numpy()).cast("B")
                 while view:
@@ -335,7 +359,7 @@ class Bench:
                 os.fsync(handle.fileno())
 
         def start() -> threading.Thread:
-            thread = threading.Thread(target=write)
+            thread = threading.Thread(target=write, args=(self.fresh("raw-background.bin"),))
             thread.start()
             return thread
 
@@ -344,7 +368,7 @@ class Bench:
             lambda t: not t.is_alive(),
             lambda t: t.join(),
             loop,
-            cleanup=lambda: path.unlink(missing_ok=True),  # each write makes a new file
+            cleanup=lambda: self.retire("raw-background.bin"),
         )
 
     # baselines
@@ -357,7 +381,7 @@ class Bench:
             handle.flush()
             os.fsync(handle.fileno())
         took = time.perf_counter() - started
-        path.unlink()
+        self.retire("torch.pt")
         return {"blocking": took, "commit": took, "extra_mem": peak_rss() - rss}
 
     def dcp_save(self) -> Record:
@@ -368,7 +392,7 @@ class Bench:
         took = time.perf_counter() - started
         record = {"blocking": took, "commit": took, "extra_mem": peak_rss() - rss}
         record.update(self._footprint(path, lambda p: p.suffix == ".distcp"))
-        shutil.rmtree(path)
+        self.retire("dcp")
         return record
 
     def dcp_load(self) -> Record:
@@ -378,13 +402,12 @@ class Bench:
         return {"blocking": time.perf_counter() - started}
 
     def dcp_async(self, loop: str | None = None) -> Record:
-        path = self.fresh("dcp-async")
         return self._async(
             lambda: dcp.async_save(self.work.tensors, checkpoint_id=self.fresh("dcp-async")),
             lambda future: future.done(),
             lambda future: future.result(),
             loop,
-            cleanup=lambda: shutil.rmtree(path, ignore_errors=True),
+            cleanup=lambda: self.retire("dcp-async"),
             saves=1,  # its write lasts many steps of a loop already
         )
 
