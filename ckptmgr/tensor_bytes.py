@@ -463,14 +463,7 @@ pinned host memory and copied to the device while the next piece is read."""
 def streams_to_device(target: torch.Tensor, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
     """True when a stored chunk of ``sizes``/``dtype`` can be read into ``target``, a CUDA
     tensor, piece by piece (:func:`read_chunk_to_device`)."""
-    return (
-        target.device.type == "cuda"
-        and target.dtype == dtype
-        and tuple(target.shape) == tuple(sizes)
-        and target.is_contiguous()
-        and not target.is_conj()
-        and not target.is_neg()
-    )
+    return target.device.type == "cuda" and _holds_chunk_bytes(target, dtype, sizes)
 
 
 def read_chunk_to_device(
@@ -550,9 +543,14 @@ def overlapping(tensors: list[torch.Tensor]) -> set[int]:
 
 def reads_directly_into(target: torch.Tensor, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
     """True when a stored chunk of ``sizes``/``dtype`` can be read straight into ``target``."""
+    return target.device.type == "cpu" and _holds_chunk_bytes(target, dtype, sizes)
+
+
+def _holds_chunk_bytes(target: torch.Tensor, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
+    """True when ``target``'s memory, as laid out, is a stored chunk of ``sizes``/``dtype``
+    byte for byte: that dtype and shape, contiguous, and no lazy conjugate or negative bit."""
     return (
-        target.device.type == "cpu"
-        and target.dtype == dtype
+        target.dtype == dtype
         and tuple(target.shape) == tuple(sizes)
         and target.is_contiguous()
         and not target.is_conj()
