@@ -114,6 +114,7 @@ def split_for_load(
 _DTYPE = operator.attrgetter("dtype")
 _ITEMSIZE = operator.attrgetter("itemsize")
 _DTYPE_CPU_DIMS_BYTES = operator.attrgetter("dtype", "is_cpu", "ndim", "nbytes")
+_DTYPE_DEVICE_DIMS_BYTES = operator.attrgetter("dtype", "device", "ndim", "nbytes")
 _FIRST = operator.itemgetter(0)
 _ONES = itertools.repeat(1)  # (endless and stateless: shared by every call)
 
@@ -124,9 +125,10 @@ def _direct_runs(
     dtypes: dict[str, _StoredDtype],
 ) -> tuple[list[_Run], int] | None:
     """(runs, bytes they span) of :func:`split_for_load` for the usual restore: every
-    destination a packed tensor, a plain CPU tensor of its stored dtype (not complex) and shape,
-    1-d or contiguous. None when any destination is not, for :func:`_matched_runs` to match them
-    one at a time (and to raise what is wrong).
+    destination a packed tensor, a plain tensor of its stored dtype (not complex) and shape,
+    1-d or contiguous, all on the CPU or all on one device (a GPU, say: then the runs are
+    there). None when any destination is not, for :func:`_matched_runs` to match them one at a
+    time (and to raise what is wrong).
 
     The checks are a few C-level passes over all destinations (``map`` of an attribute getter,
     a comparison of whole lists) rather than a Python step per tensor. Lazy negative views are
@@ -174,8 +176,17 @@ def _direct_runs(
         stored_dtypes = list(map(by_name.__getitem__, names))
         nbytes = list(map(operator.mul, numels, map(_ITEMSIZE, stored_dtypes)))
         expected_dtypes = map(_DTYPE, stored_dtypes)
-    expected = zip(expected_dtypes, itertools.repeat(True), dims, nbytes)
-    if not all(map(operator.eq, map(_DTYPE_CPU_DIMS_BYTES, dests), expected)):
+    # All on the CPU (a bool per tensor), or all on the first one's device (a torch.device
+    # made per tensor: a little dearer, but one pass still, not a Python step per tensor).
+    first_device = dests[0].device if dests else None
+    device = None if first_device is None or first_device.type == "cpu" else first_device
+    if device is None:
+        expected = zip(expected_dtypes, itertools.repeat(True), dims, nbytes)
+        found_attributes = map(_DTYPE_CPU_DIMS_BYTES, dests)
+    else:
+        expected = zip(expected_dtypes, itertools.repeat(device), dims, nbytes)
+        found_attributes = map(_DTYPE_DEVICE_DIMS_BYTES, dests)
+    if not all(map(operator.eq, found_attributes, expected)):
         return None
     outs = dests
     if not all_1d:  # others than 1-d are given as 1-d views
@@ -188,17 +199,22 @@ def _direct_runs(
     if only is not None and offsets[0] % only.itemsize == 0:
         ends = list(itertools.accumulate(nbytes, initial=offsets[0]))
         if ends[:-1] == offsets:  # back to back: one run
-            run = _Run(offsets[0], only.dtype, None)
+            run = _Run(offsets[0], only.dtype, device)
             run.outs, run.sizes, run.end = outs, numels, ends[-1]
             return [run], ends[-1] - offsets[0]
-    return _cut_into_runs(offsets, numels, stored_dtypes, outs)
+    return _cut_into_runs(offsets, numels, stored_dtypes, outs, device)
 
 
 def _cut_into_runs(
-    offsets: list[int], numels: list[int], stored: list[_StoredDtype], outs: list[torch.Tensor]
+    offsets: list[int],
+    numels: list[int],
+    stored: list[_StoredDtype],
+    outs: list[torch.Tensor],
+    device: torch.device | None,
 ) -> tuple[list[_Run], int] | None:
-    """(runs of back-to-back tensors of one dtype, their bytes) in the given order; None when
-    an offset is not aligned to its dtype's items (for :func:`_matched_runs` to raise)."""
+    """(runs of back-to-back tensors of one dtype on ``device``, their bytes) in the given
+    order; None when an offset is not aligned to its dtype's items (for :func:`_matched_runs`
+    to raise)."""
     runs: list[_Run] = []
     run: _Run | None = None
     wanted_bytes = 0
@@ -206,7 +222,7 @@ def _cut_into_runs(
         if offset % each.itemsize:
             return None
         if run is None or offset != run.end or each.dtype is not run.dtype:
-            run = _Run(offset, each.dtype, None)
+            run = _Run(offset, each.dtype, device)
             runs.append(run)
         wanted_bytes += run.take(out, numel, numel * each.itemsize)
     return runs, wanted_bytes

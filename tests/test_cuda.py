@@ -307,6 +307,39 @@ def test_model_and_optimizer_round_trip_and_train_on_alike(tmp_path: Path) -> No
         torch.testing.assert_close(value, model.state_dict()[key], msg=key)
 
 
+def test_small_tensors_all_on_the_device_are_restored_without_a_match_per_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Destinations of the stored dtypes all on the device (contiguous, a strided 1-d view, a
+    matrix, scalars, a lazily negated view) take the direct path: no Python step per tensor,
+    one copy of the pack's bytes to the device, and every value back bit-exact."""
+    from ckptmgr import pack_load
+
+    gen = torch.Generator().manual_seed(9)
+    saved: dict[str, torch.Tensor] = {}
+    for i in range(200):
+        saved[f"{i}/exp_avg"] = _random(torch.float32, (5 + i % 4,), gen).to(DEVICE)
+        saved[f"{i}/step"] = _random(torch.float32, (), gen).to(DEVICE)
+        saved[f"{i}/weight"] = _random(torch.bfloat16, (3, 4), gen).to(DEVICE)
+    with _manager(tmp_path, "thread") as manager:
+        assert manager.save_async(1, saved)
+        manager.join()
+        target = {key: torch.zeros_like(value) for key, value in saved.items()}
+        strided = torch.zeros(2 * saved["7/exp_avg"].numel(), device=DEVICE)
+        target["7/exp_avg"] = strided[::2]
+        negated = torch.zeros(3, 4, dtype=torch.bfloat16, device=DEVICE)
+        target["8/weight"] = negated._neg_view()
+
+        def not_called(*args: object) -> None:
+            raise AssertionError("matched one destination at a time")
+
+        monkeypatch.setattr(pack_load, "_matched_runs", not_called)
+        manager.restore(1, target)
+    _assert_exact(target, saved)
+    assert torch.equal(_bits(strided[::2]), _bits(saved["7/exp_avg"]))
+    assert torch.equal(_bits(negated), _bits(-saved["8/weight"]))
+
+
 def test_restore_into_parameters_views_and_another_dtype(tmp_path: Path) -> None:
     """Packed tensors restored into destinations the direct copy cannot take as they are:
     parameters that require grad, non-contiguous views, another dtype (converted), and a mix

@@ -461,6 +461,35 @@ def test_the_direct_path_makes_the_runs_that_matching_one_by_one_makes(
         assert value.shape == saved[key].shape and _bits_equal(value, saved[key]), key
 
 
+@pytest.mark.parametrize("order", ["saved order", "reversed"])
+def test_destinations_all_on_one_device_take_the_direct_path(
+    tmp_path: Path, order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Destinations all on one device other than the CPU (``meta`` stands in for a GPU) take
+    the direct path too: its runs are on that device and are the runs of matching one by one,
+    and the restore makes one copy of the pack's bytes there and no match one at a time."""
+    saved = _direct_state()
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+    record = _record_of(tmp_path)
+    keys = list(saved) if order == "saved order" else list(reversed(saved))
+    target = {key: torch.empty_like(saved[key], device="meta") for key in keys}
+    direct = pack_load._direct_runs(target, record.tensor_table, {})
+    assert direct is not None
+    assert {run.device for run in direct[0]} == {torch.device("meta")}
+    matched = pack_load._matched_runs(target, record.tensor_table, {})
+    assert _runs_described(direct[0]) == _runs_described(matched[1])
+    assert direct[1] == matched[3]
+
+    def not_called(*args: object) -> None:
+        raise AssertionError("matched one destination at a time")
+
+    monkeypatch.setattr(pack_load, "_matched_runs", not_called)
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        manager.restore(1, target)
+    assert all(target[key].shape == value.shape for key, value in saved.items())
+
+
 @pytest.mark.parametrize(
     "odd_one",
     [
