@@ -15,11 +15,15 @@
 #   b-cuda-staging.txt   benchmarks/bench_cuda_staging.py --size-mib 2048 --tensors 64 --repeats 5
 #   c-bench-ab.txt       benchmarks/bench_save.py --device cuda, workloads a,b (+ ab.json)
 #   d-bench-c.txt        benchmarks/bench_save.py --device cuda, workload c (+ c.json)
+#   e-profile.txt        benchmarks/profile_restore.py --device cuda: where a restore of (c)
+#                        spends its time
 #
 # Steps run in that order, each under `timeout` with its own limit (a 140 s, b 110 s, c 190 s,
-# d 100 s: 540 s in all), and the next step runs when one fails or times out. A deadline
+# d 150 s, e 60 s), and the next step runs when one fails or times out. A deadline
 # (CHECKS_DEADLINE_S, default 570 s from the script's start) shortens or skips the last steps
 # so that the script ends before the tool's 600 s limit, with summary.txt written line by line.
+# CHECKS_STEPS (default "a b c d e") names the steps to run; the others are left out (and are
+# not counted as failures).
 # A step past its limit gets SIGINT (Python prints where it was; SIGTERM would be a preemption
 # notice to ckptmgr), then SIGKILL 15 s later; what is left of its process group is killed.
 #
@@ -39,7 +43,8 @@
 # fail when the failure is CUDA's absence. Outputs go to ${OUT:-./gpu-out}.
 #
 # Environment: OUT, PYTHON (default python3, or .venv/bin/python in a rehearsal when present),
-# KIT_DIR (default .gpu-kit), CHECKS_DEADLINE_S. Exit status: 0 when every step passed.
+# KIT_DIR (default .gpu-kit), CHECKS_DEADLINE_S, CHECKS_STEPS. Exit status: 0 when every step
+# run passed.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -70,6 +75,16 @@ else
 fi
 KIT_DIR="${KIT_DIR:-.gpu-kit}"
 DEADLINE_S="${CHECKS_DEADLINE_S:-570}"
+STEPS=" ${CHECKS_STEPS:-a b c d e} "
+for step in $STEPS; do
+    case "$step" in
+        a | b | c | d | e) ;;
+        *)
+            echo "CHECKS_STEPS: unknown step $step (the steps are a b c d e)" >&2
+            exit 2
+            ;;
+    esac
+done
 KILL_AFTER_S=15
 MAX_FILE_BYTES=$((15 * 1024 * 1024)) # the tool brings back files up to 16 MiB
 PACKAGES=(pydantic tenacity pyyaml)
@@ -128,6 +143,10 @@ run_step() {
     local name="$1" wanted="$2" file="$3" expect_no_cuda="$4"
     shift 4
     local log="$OUT/$file" limit started pid rc result note
+    if [[ "$STEPS" != *" ${name%%-*} "* ]]; then
+        summary_line "$name" - "not asked for" 0 "$wanted" - "(CHECKS_STEPS:$STEPS)"
+        return
+    fi
     limit="$(limit_for "$wanted")"
     if [ "$limit" -eq 0 ]; then
         echo "skipped: the deadline (${DEADLINE_S} s) is too near" >"$log"
@@ -294,11 +313,13 @@ if [ "$REHEARSAL" = 1 ]; then
     staging_args=(--size-mib 64 --tensors 8 --repeats 1)
     ab_args=(--size-mib 64 --repeats 0) # (round 0 only: (b) is full size, 1.2 GB, on the CPU too)
     c_args=(--small 2000 --small-repeats 1)
+    profile_args=(--small 2000 --rounds 2 --top 10)
 else
     DEVICE=cuda
     staging_args=(--size-mib 2048 --tensors 64 --repeats 5)
     ab_args=(--repeats 2)
     c_args=(--small-repeats 5)
+    profile_args=(--rounds 7 --top 30)
 fi
 export CKPTMGR_TEST_DEVICE="$DEVICE"  # tests/test_cuda.py runs on the CPU in a rehearsal
 
@@ -317,9 +338,11 @@ run_step b-staging 110 b-cuda-staging.txt "$REHEARSAL" \
 run_step c-bench-ab 190 c-bench-ab.txt 0 \
     "$PY" benchmarks/bench_save.py --device "$DEVICE" --workloads a,b "${ab_args[@]}" \
     --loops compute --skip "torch.save,dcp.save,ckptmgr save" --json "$OUT/ab.json"
-run_step d-bench-c 100 d-bench-c.txt 0 \
+run_step d-bench-c 150 d-bench-c.txt 0 \
     "$PY" benchmarks/bench_save.py --device "$DEVICE" --workloads c "${c_args[@]}" \
     --loops "" --skip "torch.save,dcp.save,dcp.load" --json "$OUT/c.json"
+run_step e-profile 60 e-profile.txt 0 \
+    "$PY" benchmarks/profile_restore.py --device "$DEVICE" "${profile_args[@]}"
 
 # -- the end ---------------------------------------------------------------------------------------
 for file in "$OUT"/*; do
