@@ -9,16 +9,22 @@ before it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 import torch
 
+_IS_CUDA = operator.attrgetter("is_cuda")
+
 
 def _cuda_devices(tensors: Iterable[torch.Tensor]) -> set[torch.device]:
     """The CUDA devices that hold one of ``tensors``; none, without a look at them, when CUDA
-    was never used in this process."""
+    was never used in this process. With one visible device, the look stops at the first CUDA
+    tensor (a restore of 20,000 device tensors otherwise made a ``torch.device`` of each)."""
     if not torch.cuda.is_initialized():
         return set()
+    if torch.cuda.device_count() == 1:
+        return {torch.device("cuda", 0)} if any(map(_IS_CUDA, tensors)) else set()
     devices = {tensor.device for tensor in tensors if not tensor.is_cpu}
     return {device for device in devices if device.type == "cuda"}
 

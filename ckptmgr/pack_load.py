@@ -114,6 +114,7 @@ def split_for_load(
 _DTYPE = operator.attrgetter("dtype")
 _ITEMSIZE = operator.attrgetter("itemsize")
 _DTYPE_CPU_DIMS_BYTES = operator.attrgetter("dtype", "is_cpu", "ndim", "nbytes")
+_DTYPE_CUDA_DIMS_BYTES = operator.attrgetter("dtype", "is_cuda", "ndim", "nbytes")
 _DTYPE_DEVICE_DIMS_BYTES = operator.attrgetter("dtype", "device", "ndim", "nbytes")
 _FIRST = operator.itemgetter(0)
 _ONES = itertools.repeat(1)  # (endless and stateless: shared by every call)
@@ -176,16 +177,19 @@ def _direct_runs(
         stored_dtypes = list(map(by_name.__getitem__, names))
         nbytes = list(map(operator.mul, numels, map(_ITEMSIZE, stored_dtypes)))
         expected_dtypes = map(_DTYPE, stored_dtypes)
-    # All on the CPU (a bool per tensor), or all on the first one's device (a torch.device
-    # made per tensor: a little dearer, but one pass still, not a Python step per tensor).
+    # All on the CPU or all on the only CUDA device (a bool per tensor), or all on the first
+    # one's device (a torch.device made per tensor: dearer, but one pass still).
     first_device = dests[0].device if dests else None
     device = None if first_device is None or first_device.type == "cpu" else first_device
     if device is None:
-        expected = zip(expected_dtypes, itertools.repeat(True), dims, nbytes)
         found_attributes = map(_DTYPE_CPU_DIMS_BYTES, dests)
+        expected = zip(expected_dtypes, itertools.repeat(True), dims, nbytes)
+    elif device.type == "cuda" and torch.cuda.device_count() == 1:
+        found_attributes = map(_DTYPE_CUDA_DIMS_BYTES, dests)
+        expected = zip(expected_dtypes, itertools.repeat(True), dims, nbytes)
     else:
-        expected = zip(expected_dtypes, itertools.repeat(device), dims, nbytes)
         found_attributes = map(_DTYPE_DEVICE_DIMS_BYTES, dests)
+        expected = zip(expected_dtypes, itertools.repeat(device), dims, nbytes)
     if not all(map(operator.eq, found_attributes, expected)):
         return None
     outs = dests

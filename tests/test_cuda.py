@@ -340,6 +340,20 @@ def test_small_tensors_all_on_the_device_are_restored_without_a_match_per_tensor
     assert torch.equal(_bits(negated), _bits(-saved["8/weight"]))
 
 
+@pytest.mark.skipif(not ON_CUDA, reason="asks which CUDA devices hold tensors")
+def test_the_cuda_devices_of_tensors_are_found_whatever_their_order() -> None:
+    """The devices a restore waits for: those of its CUDA destinations, found with the CPU
+    ones first or last, and none for CPU tensors alone."""
+    from ckptmgr.device_sync import _cuda_devices
+
+    on_cuda = torch.zeros(3, device=DEVICE)
+    on_cpu = [torch.zeros(3) for _ in range(5)]
+    found = {on_cuda.device}
+    assert _cuda_devices([*on_cpu, on_cuda]) == found
+    assert _cuda_devices(iter([on_cuda, *on_cpu])) == found
+    assert _cuda_devices(on_cpu) == set()
+
+
 def test_restore_into_parameters_views_and_another_dtype(tmp_path: Path) -> None:
     """Packed tensors restored into destinations the direct copy cannot take as they are:
     parameters that require grad, non-contiguous views, another dtype (converted), and a mix
