@@ -38,11 +38,15 @@ __all__ = [
     "utc_now",
 ]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Format of the records (and data files) this ckptmgr writes. 1: DCP's ``torch.save`` items in
 the data files; 2: raw tensor bytes (:mod:`ckptmgr.tensor_bytes`) in the byte order of
 ``byteorder``; 3: as 2, with the tensors described by one column-wise ``tensor_table``
-(:mod:`ckptmgr.tensor_table`) instead of the ``tensors`` and ``packed`` objects. All are read."""
+(:mod:`ckptmgr.tensor_table`) instead of the ``tensors`` and ``packed`` objects; 4: as 3, with
+the table's ``dtypes``, ``shapes`` and ``pack_offsets`` stored in runs where that makes them
+shorter. All are read."""
+RUNS_SINCE = 4
+"""Records of this format and later may store columns of ``tensor_table`` in runs."""
 RECORD_NAME = "commit.json"
 QUARANTINE_NAME = "quarantined.json"
 CHECKSUMMED_SINCE = 3
@@ -136,6 +140,14 @@ class CommitRecord(BaseModel):
         version = data.get("format_version", FORMAT_VERSION)
         if "tensor_table" in data and isinstance(version, int) and version < 3:
             raise ValueError(f"a record of format {version} holds no tensor_table")
+        table = data.get("tensor_table")
+        if (
+            isinstance(table, dict)
+            and isinstance(version, int)
+            and version < RUNS_SINCE
+            and any(isinstance(column, dict) for column in table.values())
+        ):
+            raise ValueError(f"a record of format {version} stores tensor_table as lists only")
         if "tensors" not in data and "packed" not in data:
             return data
         if "tensor_table" in data:

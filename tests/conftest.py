@@ -88,10 +88,28 @@ def held_dcp_writes(bound_s: float) -> tuple[threading.Event, threading.Event, A
     return writing, release, held_write
 
 
+def listed_table(record: dict[str, Any]) -> dict[str, list[Any]]:
+    """The ``tensor_table`` of a parsed commit.json (format 3 or 4), stored again in it with
+    every column a list (format 4 may store columns in runs), to read or edit row by row."""
+    from ckptmgr.tensor_table import TensorTable
+
+    table = TensorTable.from_columns(record["tensor_table"])
+    columns = [table.names, table.dtypes, table.shapes, table.pack_offsets]
+    record["tensor_table"] = {
+        "names": list(table.names),
+        "dtypes": list(table.dtypes),
+        "shapes": [list(shape) for shape in table.shapes],  # (a run shares one list)
+        "pack_offsets": list(table.pack_offsets),
+    }
+    assert [len(column) for column in columns] == [len(table.names)] * 4
+    return record["tensor_table"]
+
+
 def tensor_rows(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The ``tensor_table`` of a parsed commit.json (format 3) as stored name -> ``{"dtype",
-    "shape", "offset"}`` (``offset`` None: stored on its own, not in the pack)."""
-    table = record["tensor_table"]
+    """The ``tensor_table`` of a parsed commit.json (format 3 or 4) as stored name ->
+    ``{"dtype", "shape", "offset"}`` (``offset`` None: stored on its own, not in the pack).
+    Leaves every column of ``record``'s table a list (see :func:`listed_table`)."""
+    table = listed_table(record)
     columns = zip(
         table["names"], table["dtypes"], table["shapes"], table["pack_offsets"], strict=True
     )
@@ -112,5 +130,5 @@ def set_tensor_rows(record: dict[str, Any], rows: dict[str, dict[str, Any]]) -> 
 
 
 def packed_names(record: dict[str, Any]) -> set[str]:
-    """The stored names of the packed tensors of a parsed commit.json (format 3)."""
+    """The stored names of the packed tensors of a parsed commit.json (format 3 or 4)."""
     return {name for name, row in tensor_rows(record).items() if row["offset"] is not None}

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, run_python
+from conftest import REPO, listed_table, run_python
 from torch import nn
 
 from ckptmgr import CheckpointManager, PerRank, objects
@@ -344,7 +344,7 @@ def test_export_refuses_a_record_placing_a_packed_tensor_outside_the_pack(
         manager.save(1, {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])})
     (record_path,) = root.rglob("commit.json")
     record = json.loads(record_path.read_text())
-    table = record["tensor_table"]
+    table = listed_table(record)
     table["pack_offsets"][table["names"].index("a")] = offset
     record_path.write_bytes(record_bytes(record))
     output = tmp_path / "out.pt"

@@ -136,7 +136,7 @@ def test_a_record_that_describes_the_pack_wrongly_is_corruption(
     def edit(record: dict) -> None:
         rows = tensor_rows(record)
         assert packed_names(record) == set(saved)
-        table = record["tensor_table"]
+        table = record["tensor_table"]  # (every column a list now: see tensor_rows)
         if damage == "undescribed":  # an offset without its name, dtype and shape
             for column in ("names", "dtypes", "shapes"):
                 del table[column][5]

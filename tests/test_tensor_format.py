@@ -288,8 +288,9 @@ def test_record_lists_every_logical_key_with_dtype_and_shape(saved_step: SavedSt
         key: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         for key, t in saved_step.tensors.items()
     }
+    names = record["tensor_table"]["names"]
     rows = tensor_rows(record)
-    assert len(record["tensor_table"]["names"]) == len(rows) == len(expected)
+    assert len(names) == len(rows) == len(expected)
     assert set(rows) == set(expected)
     for key, entry in expected.items():
         assert {"dtype": rows[key]["dtype"], "shape": rows[key]["shape"]} == entry, key
@@ -408,18 +409,18 @@ def test_saved_step_restores_bit_exact_into_zeros(saved_step: SavedStep) -> None
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_new_commits_have_format_version_3(tmp_path: Path, mode: str) -> None:
-    """commit.json of a new step says format 3, with a ``tensor_table`` and no ``tensors`` or
+def test_new_commits_have_format_version_4(tmp_path: Path, mode: str) -> None:
+    """commit.json of a new step says format 4, with a ``tensor_table`` and no ``tensors`` or
     ``packed``, and CommitRecord reads it back."""
     with manager(tmp_path) as mgr:
         save_with(mgr, mode, 1, {"w": torch.arange(10.0), "epoch": 1})
         mgr.join()
     raw = read_record(tmp_path, 1)
-    assert raw["format_version"] == 3
+    assert raw["format_version"] == 4
     assert "tensors" not in raw and "packed" not in raw
     assert tensor_rows(raw) == {"w": {"dtype": "float32", "shape": [10], "offset": None}}
     record = CommitRecord.from_json((step_dir(tmp_path, 1) / "commit.json").read_bytes())
-    assert record.format_version == 3
+    assert record.format_version == 4
     assert dict(record.tensors) == {"w": TensorEntry(dtype="float32", shape=[10])}
 
 
@@ -907,7 +908,7 @@ def test_older_format_and_new_steps_live_side_by_side(old_format_root: Path) -> 
     assert_bit_equal(as_saved(old), expected)
     assert_bit_equal(as_saved(new), {**expected, "epoch": 4})
     versions = [read_record(old_format_root, step)["format_version"] for step in (5, 6)]
-    assert versions == [int(old_format_root.name.removeprefix("format_v")), 3]  # 5 left as it was
+    assert versions == [int(old_format_root.name.removeprefix("format_v")), 4]  # 5 left as it was
 
 
 def test_a_record_of_a_newer_format_is_refused_and_never_quarantined(tmp_path: Path) -> None:

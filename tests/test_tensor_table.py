@@ -1,5 +1,6 @@
-"""The column-wise tensor table of a commit record (format 3, ckptmgr.tensor_table): what it
-accepts, what it refuses and names, and its format-2 views (``tensors`` and ``packed``)."""
+"""The column-wise tensor table of a commit record (formats 3 and 4, ckptmgr.tensor_table): what
+it accepts, what it refuses and names, its columns stored in runs (format 4), and its format-2
+views (``tensors`` and ``packed``)."""
 
 from __future__ import annotations
 
@@ -160,3 +161,143 @@ def test_model_dump_holds_the_columns() -> None:
     )
     assert record.model_dump()["tensor_table"] == sample_columns()
     assert CommitRecord.model_validate(record.model_dump()) == record
+
+
+# -- format 4: columns stored in runs -------------------------------------------------------------
+def uniform_columns(count: int = 40) -> dict[str, list[Any]]:
+    """An optimizer's state of small tensors: one dtype, one shape, packed back to back."""
+    return {
+        "names": [f"state/{i}/exp_avg" for i in range(count)],
+        "dtypes": ["float32"] * count,
+        "shapes": [[256]] * count,
+        "pack_offsets": [1024 * i for i in range(count)],
+    }
+
+
+def test_columns_of_long_runs_are_stored_in_runs_and_read_back_alike() -> None:
+    columns = uniform_columns()
+    table = TensorTable.from_columns(copy.deepcopy(columns))
+    stored = json.loads(table.to_json())
+    assert stored == {
+        "names": columns["names"],
+        "dtypes": {"runs": [["float32", 40]]},
+        "shapes": {"runs": [[[256], 40]]},
+        "pack_offsets": {"runs": [[0, 1024, 40]]},
+    }
+    read = TensorTable.from_columns(stored)
+    assert read == table
+    assert read.to_columns() == stored  # (written again the same way)
+    assert len(table.to_json()) < len(json.dumps(columns)) * 0.7
+
+
+def test_a_column_is_stored_in_runs_only_where_they_make_it_four_times_shorter() -> None:
+    columns = uniform_columns(8)
+    columns["shapes"] = [[i + 1] for i in range(8)]  # no two alike
+    columns["pack_offsets"] = [0, 4, 8, 12, None, None, 100, 200]  # 4 runs of 8 rows
+    stored = TensorTable.from_columns(copy.deepcopy(columns)).to_columns()
+    assert stored["dtypes"] == {"runs": [["float32", 8]]}
+    assert stored["shapes"] == columns["shapes"]
+    assert stored["pack_offsets"] == columns["pack_offsets"]
+    assert TensorTable.from_columns(sample_columns()).to_columns() == sample_columns()  # unlike
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_any_columns_read_back_the_same_rows_from_their_runs(seed: int) -> None:
+    """Random columns with runs of every kind (None, one value, evenly spaced offsets up and
+    down, lone values) come back row for row from their runs, whichever form is written."""
+    import random
+
+    rng = random.Random(seed)
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[list[int]] = []
+    offsets: list[int | None] = []
+    while len(names) < 200:
+        length = rng.choice([1, 1, 2, 3, 17, 60])
+        dtype = rng.choice(["float32", "bfloat16", "int64"])
+        shape = rng.choice([[], [3], [2, 5], [0]])
+        kind = rng.choice(["none", "up", "down", "same", "lone"])
+        start = rng.randrange(10_000, 20_000)
+        for i in range(length):
+            names.append(f"t{len(names)}")
+            dtypes.append(dtype)
+            shapes.append(list(shape))
+            offsets.append(
+                {
+                    "none": None,
+                    "up": start + 8 * i,
+                    "down": start - 16 * i,
+                    "same": start,
+                    "lone": rng.randrange(0, 10_000),
+                }[kind]
+            )
+    columns = {"names": names, "dtypes": dtypes, "shapes": shapes, "pack_offsets": offsets}
+    table = TensorTable.from_columns(copy.deepcopy(columns))
+    from ckptmgr.tensor_table import _offset_runs, _value_runs
+
+    for key, runs in (
+        ("dtypes", _value_runs(dtypes)),
+        ("shapes", _value_runs(shapes)),
+        ("pack_offsets", _offset_runs(offsets)),
+    ):
+        forced = dict(copy.deepcopy(columns), **{key: {"runs": runs}})
+        assert TensorTable.from_columns(forced) == table, key
+    read = TensorTable.from_columns(json.loads(table.to_json()))
+    assert read.to_columns() == table.to_columns()
+    assert (read.names, read.dtypes, read.shapes, read.pack_offsets) == tuple(
+        columns[key] for key in ("names", "dtypes", "shapes", "pack_offsets")
+    )
+
+
+RUN_DAMAGE = {
+    "runs not a list": ("dtypes", {"runs": "float32"}, r"tensor_table\.dtypes is not a list"),
+    "another key": ("dtypes", {"runs": [["float32", 40]], "x": 1}, r"dtypes is not a list"),
+    "run not a pair": ("dtypes", {"runs": [["float32"]]}, r"dtypes\.runs\[0\] is not \["),
+    "count zero": ("dtypes", {"runs": [["float32", 0], ["float32", 40]]}, r"runs\[0\]"),
+    "count a bool": ("dtypes", {"runs": [["float32", 39], ["int8", True]]}, r"runs\[1\]"),
+    "dtype not a string": ("dtypes", {"runs": [[7, 40]]}, r"dtypes\.runs\[0\] is not \[a str"),
+    "too few rows": ("dtypes", {"runs": [["float32", 39]]}, "differ in length"),
+    "a huge count": ("shapes", {"runs": [[[256], 10**15]]}, "differ in length"),
+    "negative dimension": ("shapes", {"runs": [[[-1], 40]]}, r"shapes\.runs\[0\] is not"),
+    "shape not a list": ("shapes", {"runs": [[256, 40]]}, r"shapes\.runs\[0\] is not"),
+    "offset a string": ("pack_offsets", {"runs": [["0", 4, 40]]}, r"pack_offsets\.runs\[0\]"),
+    "null with a step": ("pack_offsets", {"runs": [[None, 4, 40]]}, r"pack_offsets\.runs\[0\]"),
+    "step a float": ("pack_offsets", {"runs": [[0, 4.0, 40]]}, r"pack_offsets\.runs\[0\]"),
+    "offsets too many": ("pack_offsets", {"runs": [[0, 4, 41]]}, "differ in length"),
+    "offsets going negative": (
+        "pack_offsets",
+        {"runs": [[64, -4, 40]]},
+        "'state/17/exp_avg' has a negative offset",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(RUN_DAMAGE))
+def test_damaged_runs_are_refused_naming_the_run(edit: str) -> None:
+    """Directly, and inside a record of format 4 (a ``ValueError``: a damaged record), without
+    making the rows a huge count claims."""
+    key, damaged, message = RUN_DAMAGE[edit]
+    columns: dict[str, Any] = uniform_columns()
+    columns[key] = damaged
+    with pytest.raises(ValueError, match=message):
+        TensorTable.from_columns(copy.deepcopy(columns))
+    record = CommitRecord(step=1, save_id="s", committed_at=utc_now(), world_size=1)
+    data = json.loads(record.to_json())
+    data["tensor_table"] = columns
+    with pytest.raises(ValueError, match=message):
+        CommitRecord.from_json(record_bytes(data))
+
+
+def test_runs_are_read_from_records_of_format_4_only() -> None:
+    table = TensorTable.from_columns(uniform_columns())
+    record = CommitRecord(
+        step=1, save_id="s", committed_at=utc_now(), world_size=1, tensor_table=table
+    )
+    data = json.loads(record.to_json())
+    assert data["format_version"] == 4 and "runs" in data["tensor_table"]["dtypes"]
+    assert CommitRecord.from_json(record_bytes(data)).tensor_table == table
+    data["format_version"] = 3
+    with pytest.raises(ValueError, match="format 3 stores tensor_table as lists only"):
+        CommitRecord.from_json(record_bytes(data))
+    data["tensor_table"] = uniform_columns()  # the same rows as lists: format 3 as it was
+    assert CommitRecord.from_json(record_bytes(data)).tensor_table == table
