@@ -92,10 +92,8 @@ def split_for_load(
     dtypes: dict[str, _StoredDtype] = {}
     direct = _direct_runs(destinations, table, dtypes)
     if direct is not None:
-        to_load: dict[str, torch.Tensor] = {}
         later: list[_Later] = []
-        runs, wanted_bytes = direct
-        wanted_count = len(destinations)
+        to_load, runs, wanted_bytes, wanted_count = direct
     else:
         to_load, runs, later, wanted_bytes, wanted_count = _matched_runs(
             destinations, table, dtypes
@@ -118,15 +116,17 @@ _DTYPE_CUDA_DIMS_BYTES = operator.attrgetter("dtype", "is_cuda", "ndim", "nbytes
 _DTYPE_DEVICE_DIMS_BYTES = operator.attrgetter("dtype", "device", "ndim", "nbytes")
 _FIRST = operator.itemgetter(0)
 _ONES = itertools.repeat(1)  # (endless and stateless: shared by every call)
+_NONES = itertools.repeat(None)  # (the same)
 
 
 def _direct_runs(
     destinations: Mapping[str, torch.Tensor],
     table: TensorTable,
     dtypes: dict[str, _StoredDtype],
-) -> tuple[list[_Run], int] | None:
-    """(runs, bytes they span) of :func:`split_for_load` for the usual restore: every
-    destination a packed tensor, a plain tensor of its stored dtype (not complex) and shape,
+) -> tuple[dict[str, torch.Tensor], list[_Run], int, int] | None:
+    """(destinations to load on their own, runs, bytes they span, count of the packed
+    destinations) of :func:`split_for_load` for the usual restore: every destination a stored
+    tensor, and each packed one a plain tensor of its stored dtype (not complex) and shape,
     1-d or contiguous, all on the CPU or all on one device (a GPU, say: then the runs are
     there). None when any destination is not, for :func:`_matched_runs` to match them one at a
     time (and to raise what is wrong).
@@ -146,10 +146,19 @@ def _direct_runs(
         found = list(map(table.pack_offsets.__getitem__, at))
         names = list(map(table.dtypes.__getitem__, at))
         shapes = list(map(table.shapes.__getitem__, at))
-    if None in found:
-        return None
-    offsets = cast(list[int], found)
     dests = list(destinations.values())
+    to_load: dict[str, torch.Tensor] = {}
+    if None in found:  # tensors stored on their own (large ones): loaded as they are
+        packed = list(map(operator.is_not, found, _NONES))
+        alone = list(map(operator.not_, packed))
+        to_load = dict(itertools.compress(zip(keys, dests, strict=True), alone))
+        found = list(itertools.compress(found, packed))
+        names = list(itertools.compress(names, packed))
+        shapes = list(itertools.compress(shapes, packed))
+        dests = list(itertools.compress(dests, packed))
+        if not dests:
+            return to_load, [], 0, 0
+    offsets = cast(list[int], found)
     if not set(map(type, dests)) <= _PLAIN_TENSOR_TYPES_SET:  # (before any attribute is read)
         return None
     by_name: dict[str, _StoredDtype] = {}
@@ -205,8 +214,9 @@ def _direct_runs(
         if ends[:-1] == offsets:  # back to back: one run
             run = _Run(offsets[0], only.dtype, device)
             run.outs, run.sizes, run.end = outs, numels, ends[-1]
-            return [run], ends[-1] - offsets[0]
-    return _cut_into_runs(offsets, numels, stored_dtypes, outs, device)
+            return to_load, [run], ends[-1] - offsets[0], len(dests)
+    cut = _cut_into_runs(offsets, numels, stored_dtypes, outs, device)
+    return None if cut is None else (to_load, *cut, len(dests))
 
 
 def _cut_into_runs(

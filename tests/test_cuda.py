@@ -311,8 +311,9 @@ def test_small_tensors_all_on_the_device_are_restored_without_a_match_per_tensor
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Destinations of the stored dtypes all on the device (contiguous, a strided 1-d view, a
-    matrix, scalars, a lazily negated view) take the direct path: no Python step per tensor,
-    one copy of the pack's bytes to the device, and every value back bit-exact."""
+    matrix, scalars, a lazily negated view; large ones stored on their own among them) take the
+    direct path: no Python step per tensor, one copy of the pack's bytes to the device, and
+    every value back bit-exact."""
     from ckptmgr import pack_load
 
     gen = torch.Generator().manual_seed(9)
@@ -321,6 +322,8 @@ def test_small_tensors_all_on_the_device_are_restored_without_a_match_per_tensor
         saved[f"{i}/exp_avg"] = _random(torch.float32, (5 + i % 4,), gen).to(DEVICE)
         saved[f"{i}/step"] = _random(torch.float32, (), gen).to(DEVICE)
         saved[f"{i}/weight"] = _random(torch.bfloat16, (3, 4), gen).to(DEVICE)
+        if i % 50 == 0:  # (stored on its own)
+            saved[f"{i}/big"] = _random(torch.float32, (300, 300), gen).to(DEVICE)
     with _manager(tmp_path, "thread") as manager:
         assert manager.save_async(1, saved)
         manager.join()

@@ -409,6 +409,17 @@ def _runs_described(runs: list[pack_load._Run]) -> list[tuple[Any, ...]]:
     ]
 
 
+def _assert_alike(direct: Any, matched: Any) -> None:
+    """The direct path's (to load, runs, bytes, count) are the matching's, which also gives
+    the pieces copied later (none here)."""
+    to_load, runs, wanted_bytes, wanted_count = direct
+    assert matched[2] == []
+    assert list(to_load) == list(matched[0])
+    assert all(to_load[key] is value for key, value in matched[0].items())
+    assert _runs_described(runs) == _runs_described(matched[1])
+    assert (wanted_bytes, wanted_count) == (matched[3], matched[4])
+
+
 def _direct_state() -> dict[str, torch.Tensor]:
     """Small tensors of four dtypes, interleaved in key order: 1-d, 0-d and n-d (keys with no
     "/", stored as they are)."""
@@ -450,10 +461,9 @@ def test_the_direct_path_makes_the_runs_that_matching_one_by_one_makes(
     assert direct is not None
     matched = pack_load._matched_runs(destinations, record.tensor_table, {})
     assert matched[0] == {} and matched[2] == []  # (nothing loaded alone, nothing copied later)
-    assert _runs_described(direct[0]) == _runs_described(matched[1])
-    assert direct[1] == matched[3]
+    _assert_alike(direct, matched)
     if layout == "one dtype":  # float32 tensors lie back to back in the pack: one run
-        assert len(direct[0]) == 1 and len(direct[0][0].outs) == len(keys)
+        assert len(direct[1]) == 1 and len(direct[1][0].outs) == len(keys)
     manager_target = {key: torch.zeros_like(saved[key]) for key in keys}
     with CheckpointManager(tmp_path, save_interval=1) as manager:
         manager.restore(1, manager_target)
@@ -476,10 +486,8 @@ def test_destinations_all_on_one_device_take_the_direct_path(
     target = {key: torch.empty_like(saved[key], device="meta") for key in keys}
     direct = pack_load._direct_runs(target, record.tensor_table, {})
     assert direct is not None
-    assert {run.device for run in direct[0]} == {torch.device("meta")}
-    matched = pack_load._matched_runs(target, record.tensor_table, {})
-    assert _runs_described(direct[0]) == _runs_described(matched[1])
-    assert direct[1] == matched[3]
+    assert {run.device for run in direct[1]} == {torch.device("meta")}
+    _assert_alike(direct, pack_load._matched_runs(target, record.tensor_table, {}))
 
     def not_called(*args: object) -> None:
         raise AssertionError("matched one destination at a time")
@@ -490,6 +498,43 @@ def test_destinations_all_on_one_device_take_the_direct_path(
     assert all(target[key].shape == value.shape for key, value in saved.items())
 
 
+@pytest.mark.parametrize("order", ["saved order", "reversed", "subset"])
+def test_tensors_stored_on_their_own_are_loaded_apart_and_the_packed_ones_directly(
+    tmp_path: Path, order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state of large tensors (stored on their own) among small ones, as a model's is: the
+    direct path gives the large ones to the load and makes the packed ones' runs, as matching
+    one by one does; the restore matches no destination one at a time and gets every value."""
+    gen = torch.Generator().manual_seed(3)
+    saved: dict[str, torch.Tensor] = {}
+    for i in range(12):
+        saved[f"layer{i}.weight"] = torch.randn(64 * 1024 + i, generator=gen)  # on its own
+        saved[f"layer{i}.bias"] = torch.randn(16, generator=gen)
+        saved[f"layer{i}.step"] = torch.tensor(float(i))
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+    record = _record_of(tmp_path)
+    keys = list(saved)
+    if order == "reversed":
+        keys.reverse()
+    elif order == "subset":
+        keys = keys[1::2]
+    target = {key: torch.zeros_like(saved[key]) for key in keys}
+    direct = pack_load._direct_runs(target, record.tensor_table, {})
+    assert direct is not None
+    assert set(direct[0]) == {key for key in keys if key.endswith(".weight")}
+    _assert_alike(direct, pack_load._matched_runs(target, record.tensor_table, {}))
+
+    def not_called(*args: object) -> None:
+        raise AssertionError("matched one destination at a time")
+
+    monkeypatch.setattr(pack_load, "_matched_runs", not_called)
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        manager.restore(1, target)
+    for key, value in target.items():
+        assert _bits_equal(value, saved[key]), key
+
+
 @pytest.mark.parametrize(
     "odd_one",
     [
@@ -497,7 +542,6 @@ def test_destinations_all_on_one_device_take_the_direct_path(
         "other shape, same size",
         "non-contiguous matrix",
         "on another device",
-        "not packed",
         "a subclass",
     ],
 )
@@ -511,7 +555,7 @@ def test_destinations_the_direct_path_leaves_to_matching_one_by_one(
     with CheckpointManager(tmp_path, save_interval=1) as manager:
         assert manager.save(1, saved)
     record = _record_of(tmp_path)
-    target = {key: torch.zeros_like(value) for key, value in saved.items() if key != "big"}
+    target = {key: torch.zeros_like(value) for key, value in saved.items()}
     key = "p7.weight"
     if odd_one == "other dtype":
         target[key] = torch.zeros(2, 3)
@@ -521,8 +565,6 @@ def test_destinations_the_direct_path_leaves_to_matching_one_by_one(
         target[key] = torch.zeros(3, 2, dtype=torch.bfloat16).t()
     elif odd_one == "on another device":
         target[key] = torch.empty(2, 3, dtype=torch.bfloat16, device="meta")
-    elif odd_one == "not packed":
-        target["big"] = torch.zeros(64 * 1024)
     else:
 
         class Marked(torch.Tensor):
