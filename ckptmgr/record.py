@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import sys
-import zlib
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -21,7 +20,7 @@ from pydantic import (
 )
 
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
-from ckptmgr.integrity import check_relative_path
+from ckptmgr.integrity import check_relative_path, crc32
 from ckptmgr.tensor_table import TensorEntry, TensorTable
 
 __all__ = [
@@ -220,7 +219,7 @@ def record_bytes(document: dict[str, Any]) -> bytes:
 
 def _with_checksum(body: bytes) -> bytes:
     """``body`` (a JSON object without its closing brace) closed by its checksum."""
-    return b"".join((body, _CHECKSUM_MARK, str(zlib.crc32(body)).encode(), b"\n}"))
+    return b"".join((body, _CHECKSUM_MARK, str(crc32(body)).encode(), b"\n}"))
 
 
 def _check_checksum(data: bytes) -> None:
@@ -231,7 +230,7 @@ def _check_checksum(data: bytes) -> None:
     if not (digits.isdigit() and data.endswith(b"\n}") and len(digits) <= 10):
         raise ValueError("the record does not end with its checksum, record_crc32")
     stored = int(digits)
-    actual = zlib.crc32(data[:at])
+    actual = crc32(data[:at])
     if actual != stored:
         raise ValueError(f"the record's bytes have CRC-32 {actual}, its record_crc32 says {stored}")
 

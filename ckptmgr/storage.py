@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import time
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -44,6 +43,7 @@ from ckptmgr.integrity import (
     FileProblem,
     check_content,
     check_sizes,
+    crc32,
     crc32_of_stream,
     expected_files,
     raise_problems,
@@ -304,7 +304,7 @@ class CheckpointStorage:
             raise CorruptCheckpointError(
                 f"{path} is missing: the checkpoint is damaged", path=name, step=step
             ) from exc
-        check_content(name, expected, len(raw), zlib.crc32(raw), step=step)
+        check_content(name, expected, len(raw), crc32(raw), step=step)
         try:
             data = json.loads(raw)
         except ValueError as exc:
@@ -493,7 +493,7 @@ class CheckpointStorage:
         """Write a JSON document (fsynced on local disks); returns its (size, CRC-32)."""
         data = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
         self._write_bytes(path, data)
-        return len(data), zlib.crc32(data)
+        return len(data), crc32(data)
 
     def _write_bytes(self, path: str, data: bytes) -> None:
         if self.is_local:

@@ -23,13 +23,13 @@ import io
 import os
 import queue
 import threading
-import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
+from ckptmgr.integrity import crc32
 from ckptmgr.niceness import lower_calling_thread_priority
 
 PARALLEL_HASHING = True
@@ -118,7 +118,7 @@ def contiguous_cpu(tensor: torch.Tensor) -> torch.Tensor:
 class OrderedHasher:
     """CRC-32 of a sequence of byte pieces, computed on a helper thread in the order given.
 
-    ``add`` returns at once (``zlib.crc32`` releases the GIL for large buffers, so hashing runs
+    ``add`` returns at once (``crc32`` releases the GIL for large buffers, so hashing runs
     beside the caller's I/O); ``result`` waits for every piece. Each piece's owner (the tensor
     whose memory it views) is held until the piece is hashed. With ``max_backlog_bytes``,
     ``add`` waits while more than that many bytes handed to the thread are not hashed yet (for
@@ -144,7 +144,7 @@ class OrderedHasher:
     def add(self, piece: memoryview, owner: Any = None) -> None:
         """Queue ``piece`` (hashed after every piece added before it)."""
         if self._inline:
-            self._crc = zlib.crc32(piece, self._crc)
+            self._crc = crc32(piece, self._crc)
             return
         self._batch.append((piece, owner))
         self._batch_bytes += piece.nbytes
@@ -184,13 +184,13 @@ class OrderedHasher:
                     break
                 hashed = 0
                 for piece, _owner in batch:
-                    crc = zlib.crc32(piece, crc)
+                    crc = crc32(piece, crc)
                     hashed += piece.nbytes
                 del batch
                 with self._hashed:
                     self._backlog -= hashed
                     self._hashed.notify_all()
-        except BaseException as exc:  # pragma: no cover - zlib does not fail on bytes
+        except BaseException as exc:  # pragma: no cover - crc32 does not fail on bytes
             self._error = exc
         finally:
             self._crc = crc

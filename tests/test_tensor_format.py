@@ -1035,14 +1035,13 @@ def test_a_hasher_with_a_backlog_limit_waits_for_the_hashing(
     bound_s = 60.0
     gate, hashing = threading.Event(), threading.Event()
 
-    class GatedZlib:  # fault injection: the hashing thread stalls until the gate opens
-        @staticmethod
-        def crc32(data: Any, value: int = 0) -> int:
-            hashing.set()
-            assert gate.wait(bound_s), "the test never opened the gate"
-            return zlib.crc32(data, value)
+    def gated_crc32(data: Any, value: int = 0) -> int:
+        # fault injection: the hashing thread stalls until the gate opens
+        hashing.set()
+        assert gate.wait(bound_s), "the test never opened the gate"
+        return zlib.crc32(data, value)
 
-    monkeypatch.setattr(tensor_bytes, "zlib", GatedZlib)
+    monkeypatch.setattr(tensor_bytes, "crc32", gated_crc32)
     hasher = tensor_bytes.OrderedHasher(max_backlog_bytes=2 * MIB)
     pieces = [bytes([n]) * MIB for n in range(8)]
     added: list[int] = []

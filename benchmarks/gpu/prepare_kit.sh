@@ -5,8 +5,8 @@
 #
 # The GPU machine (CPython 3.12, torch+CUDA, fsspec, numpy, typing-extensions, pytest) has no
 # network and lacks ckptmgr's other runtime dependencies: pydantic (with pydantic-core,
-# annotated-types, typing-inspection), tenacity and pyyaml. This script downloads their wheels
-# for CPython 3.12 / manylinux x86_64 into .gpu-kit/wheels/ (ignored by git), which the GPU call
+# annotated-types, typing-inspection), tenacity, pyyaml and zlib-ng. This script downloads their
+# wheels for CPython 3.12 / manylinux x86_64 into .gpu-kit/wheels/ (ignored by git), which the GPU call
 # carries along (carry: [".gpu-kit"]) and benchmarks/gpu/run_checks.sh installs with --no-index.
 #
 # typing-extensions is in the kit although the GPU image has it: pydantic pins a recent minimum
@@ -15,8 +15,8 @@
 # torch, fsspec and numpy are never downloaded: the image has them.
 #
 # Then, when a CPython 3.12 is found (PYTHON312, or pyenv's 3.12.x), it proves the kit complete:
-# a throwaway venv installs pydantic, tenacity and pyyaml from the kit alone and imports them,
-# pydantic's compiled core included.
+# a throwaway venv installs pydantic, tenacity, pyyaml and zlib-ng from the kit alone and imports
+# them, pydantic's compiled core included.
 #
 # Environment: PIP_PYTHON (the python whose pip downloads; default python3), PYTHON312,
 # KIT_DIR (default .gpu-kit). Exits non-zero when the download or the check fails.
@@ -28,7 +28,7 @@ KIT_DIR="${KIT_DIR:-.gpu-kit}"
 WHEELS="$KIT_DIR/wheels"
 PIP_PYTHON="${PIP_PYTHON:-python3}"
 # What ckptmgr needs at run time beyond torch, fsspec and numpy (pyproject.toml's ranges).
-REQUIREMENTS=("pydantic>=2.5" "tenacity>=8.2" "pyyaml>=6.0")
+REQUIREMENTS=("pydantic>=2.5" "tenacity>=8.2" "pyyaml>=6.0" "zlib-ng>=0.5")
 
 rm -rf "$WHEELS"
 mkdir -p "$WHEELS"
@@ -67,7 +67,7 @@ for path in "${wheels[@]}"; do
             ;;
     esac
 done
-for needed in pydantic- pydantic_core- tenacity- pyyaml- annotated_types- typing_inspection-; do
+for needed in pydantic- pydantic_core- tenacity- pyyaml- zlib_ng- annotated_types- typing_inspection-; do
     matches=("$WHEELS"/"$needed"*)
     if [ "${#matches[@]}" -eq 0 ]; then
         echo "ERROR: no ${needed%-} wheel in the kit" >&2
@@ -102,7 +102,7 @@ if ! timeout 120 "$PY312" -m venv "$VENV" ||
     ! env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_CONSTRAINT \
         PIP_CONFIG_FILE=/dev/null timeout 120 "$VENV/bin/python" -m pip install \
         --disable-pip-version-check --no-input --no-index --find-links "$WHEELS" \
-        pydantic tenacity pyyaml; then
+        pydantic tenacity pyyaml zlib-ng; then
     echo "ERROR: the kit does not install offline on CPython 3.12" >&2
     exit 1
 fi
@@ -111,6 +111,7 @@ import sys
 from importlib.metadata import version
 
 import pydantic, pydantic_core, tenacity, yaml
+from zlib_ng import zlib_ng  # compiled too
 from pydantic_core import _pydantic_core  # the compiled extension module
 
 class Probe(pydantic.BaseModel):
@@ -119,7 +120,7 @@ class Probe(pydantic.BaseModel):
 assert Probe(n="3").n == 3  # validation runs in the compiled core
 print("kit OK on Python", sys.version.split()[0] + ":",
       ", ".join(f"{name} {version(name)}" for name in
-                ("pydantic", "pydantic-core", "tenacity", "pyyaml", "typing-extensions")),
+                ("pydantic", "pydantic-core", "tenacity", "pyyaml", "zlib-ng", "typing-extensions")),
       "; compiled core:", _pydantic_core.__file__.rsplit("/", 1)[-1])
 EOF
     echo "ERROR: the kit installed but does not import on CPython 3.12" >&2

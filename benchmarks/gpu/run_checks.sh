@@ -28,7 +28,7 @@
 # notice to ckptmgr), then SIGKILL 15 s later; what is left of its process group is killed.
 #
 # Dependencies: the GPU image has torch, fsspec, numpy, typing-extensions and pytest, not
-# pydantic, tenacity or pyyaml. They are installed offline from .gpu-kit/wheels into a temporary
+# pydantic, tenacity, pyyaml or zlib-ng. They are installed offline from .gpu-kit/wheels into a temporary
 # folder (pip --target; unzipped when that python has no pip), which goes on PYTHONPATH after
 # the repository root: the repository is not installed.
 #
@@ -87,7 +87,7 @@ for step in $STEPS; do
 done
 KILL_AFTER_S=15
 MAX_FILE_BYTES=$((15 * 1024 * 1024)) # the tool brings back files up to 16 MiB
-PACKAGES=(pydantic tenacity pyyaml)
+PACKAGES=(pydantic tenacity pyyaml zlib-ng)
 
 OUT="${OUT:-$ROOT/gpu-out}"
 mkdir -p "$OUT" || exit 1
@@ -253,6 +253,7 @@ if [ "$rc" -eq 0 ]; then
     timeout -k 5 60 "$PY" -c '
 import pydantic, pydantic_core, tenacity, yaml
 from pydantic_core import _pydantic_core
+from zlib_ng import zlib_ng
 assert pydantic.__file__.startswith(__import__("sys").argv[1]), pydantic.__file__
 print("imports OK: pydantic", pydantic.VERSION, "core", pydantic_core.__version__,
       "from", pydantic.__file__.rsplit("/", 2)[0])' "$DEPS" >>"$install_log" 2>&1
@@ -280,7 +281,8 @@ from importlib.metadata import PackageNotFoundError, version
 print("python", sys.version.replace("\n", " "), "at", sys.executable)
 print("cpu count", os.cpu_count(), "usable", len(os.sched_getaffinity(0)))
 modules = {"pydantic": "pydantic", "pydantic_core": "pydantic-core", "tenacity": "tenacity",
-           "yaml": "pyyaml", "typing_extensions": "typing-extensions", "fsspec": "fsspec",
+           "yaml": "pyyaml", "zlib_ng": "zlib-ng", "typing_extensions": "typing-extensions",
+           "fsspec": "fsspec",
            "numpy": "numpy", "pytest": "pytest", "pytest_timeout": "pytest-timeout",
            "torch": "torch"}
 for module, dist in modules.items():
