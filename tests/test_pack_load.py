@@ -420,6 +420,20 @@ def _assert_alike(direct: Any, matched: Any) -> None:
     assert (wanted_bytes, wanted_count) == (matched[3], matched[4])
 
 
+def _restore_matching_none_one_by_one(
+    root: Path, target: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restore step 1 of ``root`` into ``target``, failing if any destination is matched in
+    a Python step of its own (``_matched_runs``)."""
+
+    def not_called(*args: object) -> None:
+        raise AssertionError("matched one destination at a time")
+
+    monkeypatch.setattr(pack_load, "_matched_runs", not_called)
+    with CheckpointManager(root, save_interval=1) as manager:
+        manager.restore(1, target)
+
+
 def _direct_state() -> dict[str, torch.Tensor]:
     """Small tensors of four dtypes, interleaved in key order: 1-d, 0-d and n-d (keys with no
     "/", stored as they are)."""
@@ -488,13 +502,7 @@ def test_destinations_all_on_one_device_take_the_direct_path(
     assert direct is not None
     assert {run.device for run in direct[1]} == {torch.device("meta")}
     _assert_alike(direct, pack_load._matched_runs(target, record.tensor_table, {}))
-
-    def not_called(*args: object) -> None:
-        raise AssertionError("matched one destination at a time")
-
-    monkeypatch.setattr(pack_load, "_matched_runs", not_called)
-    with CheckpointManager(tmp_path, save_interval=1) as manager:
-        manager.restore(1, target)
+    _restore_matching_none_one_by_one(tmp_path, target, monkeypatch)
     assert all(target[key].shape == value.shape for key, value in saved.items())
 
 
@@ -524,13 +532,7 @@ def test_tensors_stored_on_their_own_are_loaded_apart_and_the_packed_ones_direct
     assert direct is not None
     assert set(direct[0]) == {key for key in keys if key.endswith(".weight")}
     _assert_alike(direct, pack_load._matched_runs(target, record.tensor_table, {}))
-
-    def not_called(*args: object) -> None:
-        raise AssertionError("matched one destination at a time")
-
-    monkeypatch.setattr(pack_load, "_matched_runs", not_called)
-    with CheckpointManager(tmp_path, save_interval=1) as manager:
-        manager.restore(1, target)
+    _restore_matching_none_one_by_one(tmp_path, target, monkeypatch)
     for key, value in target.items():
         assert _bits_equal(value, saved[key]), key
 
