@@ -31,6 +31,7 @@ import torch
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.integrity import crc32
 from ckptmgr.niceness import lower_calling_thread_priority
+from ckptmgr.writeback import WriteBehind
 
 PARALLEL_HASHING = True
 """Hash on a helper thread (at a lower priority) beside the I/O, or else on the writing thread."""
@@ -225,17 +226,24 @@ class LocalDataFile:
         self._fsync = fsync
         self._hasher = OrderedHasher()
         self._size = 0
+        # (a file fsynced at the end has each stretch handed to the disk as soon as written)
+        self._write_behind = WriteBehind(self._file.fileno()) if fsync else None
 
     def tell(self) -> int:
         """Bytes written so far."""
         return self._size
 
     def write_piece(self, piece: memoryview, owner: Any) -> None:
-        """Write all of ``piece`` (the GIL is released during each ``write``)."""
+        """Write all of ``piece`` (the GIL is released during each ``write``), cut where a
+        stretch of :class:`~ckptmgr.writeback.WriteBehind` ends."""
         self._hasher.add(piece, owner)
-        view, written = piece, 0
+        behind, written = self._write_behind, 0
         while written < piece.nbytes:
-            written += self._file.write(view[written:])
+            end = piece.nbytes if behind is None else min(piece.nbytes, written + behind.room())
+            count = self._file.write(piece[written:end])
+            written += count
+            if behind is not None:
+                behind.wrote(count)
         self._size += written
 
     def close(self) -> tuple[int, int]:
