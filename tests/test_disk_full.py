@@ -1,11 +1,14 @@
 """Disk full: a save that runs out of space fails cleanly, and training goes on.
 
-Two kinds of full storage, both real file systems:
+Three kinds of full storage, all real file systems:
 
 * a **tmpfs** of a few MiB, mounted for the test (needs root or CAP_SYS_ADMIN; skipped otherwise).
   A ballast file fills it so that exactly ``d`` pages short of what one step needs are free. The
   sweep over ``d`` makes the write run out of space in every file of a save in turn: the commit
   record, DCP's ``.metadata``, the tensor data and the plain-values file;
+* an **ext4 that runs out under the page cache**: a loop device over a sparse file on a small
+  tmpfs (root only), where every ``write`` succeeds and the data fails to reach the disk, so the
+  error comes from the fsync (after write-behind has started the writeback);
 * a **byte-budget fsspec file system** (``tinydisk://``, a subclass of fsspec's in-memory file
   system) that raises ``OSError(ENOSPC)`` once the bytes it holds would exceed its capacity. It
   takes the object-store code path (the step is written in place, no rename), and it runs on any
@@ -238,6 +241,68 @@ def test_tmpfs_full_commit_record_says_no_space(tmpfs: Path) -> None:
         error = save_and_get_error(manager, 1, use_async=False)
         assert_no_space_error(error)
         assert only_committed_steps(root) == [0]
+
+
+# -- an ext4 disk whose space runs out under the page cache -------------------------------------
+
+
+@pytest.fixture
+def thin_ext4(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB ext4 file system on a loop device whose backing file is sparse, on a tmpfs of
+    16 MiB: ext4 sees free space (``write`` succeeds into the page cache), while writing the
+    pages out to the disk fails once the tmpfs below is full (as on a thin-provisioned volume
+    that ran out). Skipped where mounting is not allowed."""
+    for tool in ("mount", "mkfs.ext4"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"no {tool} command")
+    backing, mount_point = tmp_path / "backing", tmp_path / "ext4"
+    backing.mkdir()
+    mount_point.mkdir()
+    image = backing / "disk.img"
+
+    def run(*command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+    mounted: list[Path] = []
+    try:
+        result = run("mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(backing))
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
+        mounted.append(backing)
+        with open(image, "wb") as handle:
+            handle.truncate(64 * 2**20)
+        options = "lazy_itable_init=1,lazy_journal_init=1"
+        result = run("mkfs.ext4", "-q", "-F", "-E", options, str(image))
+        assert result.returncode == 0, result.stderr
+        result = run("mount", "-o", "loop", str(image), str(mount_point))
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a loop device here: {result.stderr.strip()}")
+        mounted.append(mount_point)
+        yield mount_point
+    finally:
+        for path in reversed(mounted):
+            run("umount", "-l", str(path))
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_ext4_failing_to_write_back_fails_the_save_and_keeps_the_last_step(
+    thin_ext4: Path, use_async: bool
+) -> None:
+    """Every ``write`` of the second save succeeds; its data cannot reach the disk. The error
+    of the writeback (started early by write-behind, see ckptmgr.writeback) reaches the save
+    through the fsync: the step is not committed, and the one before still restores."""
+    root = thin_ext4 / "ckpts"
+    with CheckpointManager(root, save_interval=1, chkpt_on_preemption=False) as manager:
+        assert manager.save(0, make_state(0))
+        large = 6 * 2**20  # 24 MiB of float32: more than the 16 MiB below ext4 can take
+        error = save_and_get_error(manager, 1, use_async=use_async, n=large)
+        chain = error_chain(error)
+        assert any(
+            isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EIO) for e in chain
+        ), f"no ENOSPC or EIO OSError in the error chain: {[repr(e) for e in chain]}"
+        assert manager.all_steps() == [0]
+        assert not (root / f"step_{1:012d}").exists()
+        assert_restores(manager, 0)
 
 
 # -- an fsspec file system with a byte budget --------------------------------------------------
