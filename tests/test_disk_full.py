@@ -284,18 +284,22 @@ def thin_ext4(tmp_path: Path) -> Iterator[Path]:
             run("umount", "-l", str(path))
 
 
-@pytest.mark.parametrize("use_async", [False, True])
+@pytest.mark.parametrize("mode", ["save", "thread", "process"])
 def test_ext4_failing_to_write_back_fails_the_save_and_keeps_the_last_step(
-    thin_ext4: Path, use_async: bool
+    thin_ext4: Path, mode: str
 ) -> None:
     """Every ``write`` of the second save succeeds; its data cannot reach the disk. The error
     of the writeback (started early by write-behind, see ckptmgr.writeback) reaches the save
-    through the fsync: the step is not committed, and the one before still restores."""
+    through the fsync (in the checkpoint daemon too): the step is not committed, and the one
+    before still restores."""
     root = thin_ext4 / "ckpts"
-    with CheckpointManager(root, save_interval=1, chkpt_on_preemption=False) as manager:
+    async_mode = "process" if mode == "process" else "thread"
+    with CheckpointManager(
+        root, save_interval=1, chkpt_on_preemption=False, async_mode=async_mode
+    ) as manager:
         assert manager.save(0, make_state(0))
         large = 6 * 2**20  # 24 MiB of float32: more than the 16 MiB below ext4 can take
-        error = save_and_get_error(manager, 1, use_async=use_async, n=large)
+        error = save_and_get_error(manager, 1, use_async=mode != "save", n=large)
         chain = error_chain(error)
         assert any(
             isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EIO) for e in chain
