@@ -8,7 +8,7 @@
 #   carry:     [".gpu-kit"]
 #   timeout_s: 600
 #
-# What comes back, under $OUT (8 files, each capped below 16 MiB):
+# What comes back, under $OUT (10 files, each capped below 16 MiB):
 #   summary.txt          one line per step: exit status, result, seconds, limit, last output line
 #   env.txt              nvidia-smi, Python/torch/CUDA versions, CPUs, memory, disks, the install
 #   a-pytest.txt         pytest tests/test_cuda.py (when it exists) tests/test_staging.py -k cuda
@@ -17,12 +17,14 @@
 #   d-bench-c.txt        benchmarks/bench_save.py --device cuda, workload c (+ c.json)
 #   e-profile.txt        benchmarks/profile_restore.py --device cuda: where a restore of (c)
 #                        spends its time
+#   f-write-behind.txt   benchmarks/bench_write_behind.py: whether this machine's disk commits
+#                        sooner with write-behind (ckptmgr.writeback), against a plain write
 #
 # Steps run in that order, each under `timeout` with its own limit (a 140 s, b 110 s, c 190 s,
-# d 150 s, e 60 s), and the next step runs when one fails or times out. A deadline
+# d 150 s, e 60 s, f 60 s), and the next step runs when one fails or times out. A deadline
 # (CHECKS_DEADLINE_S, default 570 s from the script's start) shortens or skips the last steps
 # so that the script ends before the tool's 600 s limit, with summary.txt written line by line.
-# CHECKS_STEPS (default "a b c d e") names the steps to run; the others are left out (and are
+# CHECKS_STEPS (default "a b c d e f") names the steps to run; the others are left out (and are
 # not counted as failures).
 # A step past its limit gets SIGINT (Python prints where it was; SIGTERM would be a preemption
 # notice to ckptmgr), then SIGKILL 15 s later; what is left of its process group is killed.
@@ -75,12 +77,12 @@ else
 fi
 KIT_DIR="${KIT_DIR:-.gpu-kit}"
 DEADLINE_S="${CHECKS_DEADLINE_S:-570}"
-STEPS=" ${CHECKS_STEPS:-a b c d e} "
+STEPS=" ${CHECKS_STEPS:-a b c d e f} "
 for step in $STEPS; do
     case "$step" in
-        a | b | c | d | e) ;;
+        a | b | c | d | e | f) ;;
         *)
-            echo "CHECKS_STEPS: unknown step $step (the steps are a b c d e)" >&2
+            echo "CHECKS_STEPS: unknown step $step (the steps are a b c d e f)" >&2
             exit 2
             ;;
     esac
@@ -316,12 +318,14 @@ if [ "$REHEARSAL" = 1 ]; then
     ab_args=(--size-mib 64 --repeats 0) # (round 0 only: (b) is full size, 1.2 GB, on the CPU too)
     c_args=(--small 2000 --small-repeats 1)
     profile_args=(--small 2000 --rounds 2 --top 10)
+    write_behind_args=(--size-mib 64 --rounds 2 --stretches 16)
 else
     DEVICE=cuda
     staging_args=(--size-mib 2048 --tensors 64 --repeats 5)
     ab_args=(--repeats 2)
     c_args=(--small-repeats 5)
     profile_args=(--rounds 7 --top 30)
+    write_behind_args=(--rounds 5 --stretches 16,64)
 fi
 export CKPTMGR_TEST_DEVICE="$DEVICE"  # tests/test_cuda.py runs on the CPU in a rehearsal
 
@@ -345,6 +349,8 @@ run_step d-bench-c 150 d-bench-c.txt 0 \
     --loops "" --skip "torch.save,dcp.save,dcp.load" --json "$OUT/c.json"
 run_step e-profile 60 e-profile.txt 0 \
     "$PY" benchmarks/profile_restore.py --device "$DEVICE" "${profile_args[@]}"
+run_step f-write-behind 60 f-write-behind.txt 0 \
+    "$PY" benchmarks/bench_write_behind.py "${write_behind_args[@]}"
 
 # -- the end ---------------------------------------------------------------------------------------
 for file in "$OUT"/*; do
