@@ -136,7 +136,7 @@ cap_file() {
 }
 
 summary_line() { # step rc result seconds limit output note
-    printf '%-11s %-5s %-22s %7s %7s  %-19s %s\n' "$@" >>"$SUMMARY"
+    printf '%-14s %-5s %-22s %7s %7s  %-19s %s\n' "$@" >>"$SUMMARY"
 }
 
 # run_step NAME LIMIT_S OUTPUT_FILE EXPECT_NO_CUDA COMMAND...: run COMMAND under timeout in its
