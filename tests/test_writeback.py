@@ -36,9 +36,6 @@ def test_a_refused_or_empty_writeback_is_false_and_raises_nothing(tmp_path: Path
         os.close(write_end)
     with open(tmp_path / "empty.bin", "wb", buffering=0) as handle:
         assert not start_writeback(handle.fileno(), 0, 0)
-    closed = os.open(tmp_path / "closed.bin", os.O_WRONLY | os.O_CREAT)
-    os.close(closed)
-    assert not start_writeback(closed, 0, 4096)  # EBADF
 
 
 def test_without_the_call_nothing_is_started(
