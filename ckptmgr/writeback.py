@@ -11,7 +11,10 @@ page cache, and the final fsync waits for the last stretch only. PostgreSQL
 Measured on the benchmark machine (2 cores, ext4 on a virtual disk) by
 ``benchmarks/bench_write_behind.py``: 1152 MiB written in 16 MiB calls and fsynced took 0.78-0.82x
 the time of the plain write (medians of per-round ratios, two runs of 7 rounds) with a writeback
-started every 4, 8 or 16 MiB, 0.85-0.86x every 32 or 64 MiB, and 0.97x every 256 MiB.
+started every 4, 8 or 16 MiB, 0.85-0.86x every 32 or 64 MiB, and 0.97x every 256 MiB. The cost:
+the kernel's writeback now runs while the write calls do, on the same cores, so a compute-bound
+loop beside a thread-mode save of 1 GiB lost about 0.3 s more per save there (docs/benchmarks.md,
+"Full run at 55794b1").
 
 Only a hint: where the call does not exist (not Linux) or fails, nothing happens, and the fsync
 at the end makes the file durable either way.
