@@ -11,17 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptmgr.errors import CheckpointError
-from ckptmgr.niceness import lower_calling_thread_priority
 
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.2
-
-WRITER_NICENESS = 10
-"""How much lower than the training loop's the background writer thread's scheduling priority is
-(as the checkpoint daemon's in process mode, ``save_process.DAEMON_NICENESS``): when the cores are
-busy, the training loop runs first. Threads the writer starts (DCP's writer threads, hashing)
-inherit it."""
 """How often an idle worker checks whether the interpreter is shutting down."""
 
 _Job = tuple[concurrent.futures.Future[Any], Callable[[], None]]
@@ -107,7 +100,6 @@ class _Worker:
             thread.join()
 
     def _serve(self) -> None:
-        lower_calling_thread_priority(WRITER_NICENESS)
         with self._serving:
             while True:
                 try:
