@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptmgr.errors import CheckpointError
+from ckptmgr.niceness import run_calling_thread_in_background
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class _Worker:
             thread.join()
 
     def _serve(self) -> None:
+        run_calling_thread_in_background()  # below the training loop; threads it starts too
         with self._serving:
             while True:
                 try:

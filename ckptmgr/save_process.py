@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from ckptmgr.errors import CheckpointError
-from ckptmgr.niceness import lower_process_priority
+from ckptmgr.niceness import background_niceness, set_background_niceness
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,6 @@ first at interpreter exit, before it sends SIGTERM to its daemonic children and 
 (the daemon ignores SIGTERM, and waits on a pipe this process still holds: without the hook,
 a process that ends without close() would wait forever). Exit itself first waits for the queued
 saves (the background worker is not a daemon thread), so no save is cut short."""
-DAEMON_NICENESS = 10
-"""How much lower than the training process's the daemon's scheduling priority is (Linux): when
-the cores are busy, the training loop runs first and the checkpoint's write waits. With a core
-to spare, as on most GPU machines, the daemon runs as fast as before."""
 DAEMON_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 """Signals the daemon ignores (from the start of its entry function): a scheduler's preemption
 notice or Ctrl-C sent to the whole process group is the training process's to handle, and would
@@ -71,7 +67,8 @@ if _AsyncCheckpointProcess is not None:
 
     class _CheckpointProcess(_AsyncCheckpointProcess):  # type: ignore[misc,valid-type]
         """DCP's checkpoint daemon, with four changes made inside the daemon: it runs
-        :data:`DAEMON_NICENESS` below the training process, it ignores
+        :func:`ckptmgr.niceness.background_niceness` of the training process (``ckptmgr_niceness``
+        on the init info: below the training loop), it ignores
         :data:`DAEMON_IGNORED_SIGNALS`, its logging stays
         at WARNING (DCP's sets the daemon's root logger to INFO: three lines on stderr for
         every save), and its gloo group times out after ``ckptmgr_timeout_s`` (set on the
@@ -80,7 +77,9 @@ if _AsyncCheckpointProcess is not None:
 
         @staticmethod
         def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
-            lower_process_priority(DAEMON_NICENESS)  # first: threads started later inherit it
+            niceness = getattr(pg_init_info, "ckptmgr_niceness", None)
+            if niceness is not None:  # first: threads started later inherit it
+                set_background_niceness(niceness)
             for signum in DAEMON_IGNORED_SIGNALS:  # process-wide, whichever thread gets one
                 signal.signal(signum, signal.SIG_IGN)
             import datetime
@@ -202,6 +201,7 @@ class SaveProcess:
         self._stop()
         info = self._init_info()
         info.ckptmgr_timeout_s = self._timeout_s
+        info.ckptmgr_niceness = background_niceness()
         log.info("starting the checkpoint daemon process (async_mode='process')")
         self._daemon = _CheckpointProcess(pg_init_info=info)
         _STARTED_DAEMONS.add(self._daemon._save_process)

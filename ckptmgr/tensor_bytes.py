@@ -30,7 +30,7 @@ import torch
 
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.integrity import crc32
-from ckptmgr.niceness import lower_calling_thread_priority
+from ckptmgr.niceness import run_calling_thread_in_background
 from ckptmgr.writeback import WriteBehind
 
 PARALLEL_HASHING = True
@@ -176,7 +176,7 @@ class OrderedHasher:
         self._batch_bytes = 0
 
     def _run(self) -> None:
-        lower_calling_thread_priority(HASHING_NICENESS)
+        run_calling_thread_in_background()
         crc = 0
         try:
             while True:
@@ -200,11 +200,6 @@ class OrderedHasher:
 
 
 _BACKLOG_POLL_S = 1.0  # how often a waiting add() checks that the hashing thread still runs
-
-
-HASHING_NICENESS = 10
-"""How much lower than the training loop's the hashing thread's scheduling priority is: when the
-cores are busy, the training loop runs first and the hashing waits."""
 
 
 class TensorSink(Protocol):

@@ -20,6 +20,7 @@ from conftest import REPO, held_dcp_writes, run_python
 from ckptmgr import CheckpointManager, dcp_io
 from ckptmgr.background import BackgroundWriter
 from ckptmgr.errors import CheckpointError
+from ckptmgr.niceness import BACKGROUND_NICENESS
 
 CHILD = Path(__file__).resolve().parent / "_interrupted_save_child.py"
 EXIT_TIMEOUT_S = 60.0
@@ -43,6 +44,31 @@ def test_jobs_run_one_at_a_time_in_submission_order() -> None:
     assert all(future.done() and future.exception() is None for future in futures)
     assert events == [f"{kind} {n}" for n in range(50) for kind in ("start", "end")]
     writer.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values: Linux")
+def test_jobs_run_below_the_training_threads_priority_and_so_do_their_threads() -> None:
+    # When the cores are busy the training loop runs first (BACKGROUND_NICENESS), in thread mode
+    # as in process mode; threads a job starts (DCP's writer threads) inherit the lower priority.
+    writer = BackgroundWriter()
+    seen: dict[str, int] = {}
+
+    def job() -> None:
+        seen["job"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        child = threading.Thread(
+            target=lambda: seen.update(
+                child=os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            )
+        )
+        child.start()
+        child.join(EXIT_TIMEOUT_S)
+
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    writer.submit("job", job).result(timeout=EXIT_TIMEOUT_S)
+    writer.shutdown()
+    expected = min(19, own + BACKGROUND_NICENESS)
+    assert seen == {"job": expected, "child": expected}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller's stays
 
 
 def test_a_failure_is_kept_and_raised_once_or_given_to_the_waiting_caller() -> None:
