@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptmgr import tensor_bytes
+from ckptmgr.direct_write import DIRECT_ALIGN
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.integrity import (
     ChecksumLog,
@@ -332,13 +333,19 @@ _CHECKSUMS_FQN = "\x00ckptmgr-checksums/"  # a write result that carries a rank'
 
 
 def _balanced(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
-    """``items`` split into at most ``bins`` lists of similar byte size (largest first)."""
+    """``items`` split into at most ``bins`` lists of similar byte size. In each list, the
+    items of whole ``DIRECT_ALIGN`` blocks come first, largest first, then the others, largest
+    first: every item of the first kind starts on a block boundary of its data file, where a
+    direct write can take it from its (page-aligned, see ``staging.PAGE_ALIGNED_BYTES``) staged
+    memory without a copy (:mod:`ckptmgr.direct_write`)."""
     buckets: list[list[WriteItem]] = [[] for _ in range(max(1, bins))]
     loads = [0] * len(buckets)
     for item in sorted(items, key=_item_bytes, reverse=True):
         lightest = loads.index(min(loads))
         buckets[lightest].append(item)
         loads[lightest] += _item_bytes(item)
+    for bucket in buckets:
+        bucket.sort(key=lambda item: _item_bytes(item) % DIRECT_ALIGN != 0)  # (a stable sort)
     return [bucket for bucket in buckets if bucket]
 
 

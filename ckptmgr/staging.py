@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ckptmgr import packing
+from ckptmgr.direct_write import DIRECT_ALIGN
 from ckptmgr.errors import CheckpointError
 from ckptmgr.packing import (
     PACK_KEY,
@@ -62,6 +63,10 @@ except ImportError:  # pragma: no cover - torch without DTensor
 
 ALIGN = 64
 """Byte alignment of every region in an arena (a multiple of every dtype's item size)."""
+PAGE_ALIGNED_BYTES = 64 * 2**10
+"""A region of at least this many bytes (larger than any packed tensor) starts on a
+``DIRECT_ALIGN`` boundary of the arena, so that a data file written directly takes its bytes
+from where they lie (:mod:`ckptmgr.direct_write`) rather than through a copy."""
 
 _WAIT_LOG_S = 10.0  # while waiting for budget, log again after this many seconds
 
@@ -89,6 +94,13 @@ if hasattr(os, "register_at_fork"):
 
 def _aligned(size: int) -> int:
     return (size + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _placed(offset: int, size: int) -> int:
+    """Where in the arena a region of ``size`` bytes that could start at ``offset`` starts."""
+    if size < PAGE_ALIGNED_BYTES:
+        return offset
+    return (offset + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
 
 
 class _Arena:
@@ -380,6 +392,7 @@ class StagingBuffers:
             if len(keys) == 1:
                 source = sources[keys[0]]
                 size = source.numel() * source.element_size()
+                offset = _placed(offset, size)
                 entries[keys[0]] = (len(units), (source.dtype, tuple(source.shape), (), -1))
                 units.append((offset, size, 0))
                 shared.append(False)
@@ -393,6 +406,7 @@ class StagingBuffers:
                 highs.append(high)
             start = min(lows) // 16 * 16  # keeps every view's offset a multiple of its item size
             size = max(highs) - start
+            offset = _placed(offset, size)
             for key in keys:
                 source = sources[key]
                 element = (source.storage_offset() * source.element_size() - start) // (

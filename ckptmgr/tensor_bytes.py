@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ckptmgr.direct_write import DirectWriter, open_direct
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.integrity import crc32
 from ckptmgr.niceness import run_calling_thread_in_background
@@ -214,24 +215,47 @@ class TensorSink(Protocol):
 
 class LocalDataFile:
     """A local data file written with unbuffered ``write`` calls, hashed on a helper thread,
-    fsynced on ``close`` (which returns its size and CRC-32)."""
+    fsynced on ``close`` (which returns its size and CRC-32).
+
+    A file fsynced at the end is written past the page cache where the filesystem allows
+    (:mod:`ckptmgr.direct_write`), and otherwise has each written stretch handed to the disk at
+    once (:mod:`ckptmgr.writeback`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool) -> None:
         self._file = open(path, "wb", buffering=0)
         self._fsync = fsync
         self._hasher = OrderedHasher()
         self._size = 0
-        # (a file fsynced at the end has each stretch handed to the disk as soon as written)
-        self._write_behind = WriteBehind(self._file.fileno()) if fsync else None
+        self._direct: DirectWriter | None = None
+        self._write_behind: WriteBehind | None = None
+        if fsync:
+            try:
+                direct_fd = open_direct(path)
+            except BaseException:
+                self.abort()
+                raise
+            if direct_fd is not None:
+                self._direct = DirectWriter(direct_fd, self._file.fileno())
+            else:
+                self._write_behind = WriteBehind(self._file.fileno())
+
+    @property
+    def direct_writer(self) -> DirectWriter | None:
+        """The direct writer of this file, or None when it is written through the page cache."""
+        return self._direct
 
     def tell(self) -> int:
         """Bytes written so far."""
         return self._size
 
     def write_piece(self, piece: memoryview, owner: Any) -> None:
-        """Write all of ``piece`` (the GIL is released during each ``write``), cut where a
-        stretch of :class:`~ckptmgr.writeback.WriteBehind` ends."""
+        """Write all of ``piece`` (the GIL is released during each ``write``), directly or cut
+        where a stretch of :class:`~ckptmgr.writeback.WriteBehind` ends."""
         self._hasher.add(piece, owner)
+        if self._direct is not None:
+            self._direct.write(piece)
+            self._size += piece.nbytes
+            return
         behind, written = self._write_behind, 0
         while written < piece.nbytes:
             end = piece.nbytes if behind is None else min(piece.nbytes, written + behind.room())
@@ -245,6 +269,9 @@ class LocalDataFile:
         """Flush to disk (with ``fsync``), close, and return (size, CRC-32). On failure the
         hashing thread is ended too (as by :meth:`abort`)."""
         try:
+            if self._direct is not None:
+                self._direct.finish()
+                self._direct.close()
             if self._fsync:
                 os.fsync(self._file.fileno())
         except BaseException:
@@ -255,6 +282,8 @@ class LocalDataFile:
 
     def abort(self) -> None:
         """Close after a failure (the caller removes the step directory)."""
+        if self._direct is not None:
+            self._direct.close()
         self._file.close()
         try:
             self._hasher.result()

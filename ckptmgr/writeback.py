@@ -1,5 +1,8 @@
 """Starting the disk's work on a data file while the rest of it is still being written.
 
+For a data file written through the page cache: where the file system refuses direct writes,
+or they are turned off (:mod:`ckptmgr.direct_write`, which is faster where it applies).
+
 A file written with ``write`` calls and then fsynced keeps the disk idle until the fsync: the
 kernel holds the written pages in memory (well under its dirty-page limits for a checkpoint
 that fits in memory) and writes them out only when asked. Asking for each written stretch to

@@ -35,7 +35,7 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
-from ckptmgr import CheckpointError, CheckpointManager
+from ckptmgr import CheckpointError, CheckpointManager, direct_write
 from ckptmgr.lease import LEASE_NAME
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -284,14 +284,18 @@ def thin_ext4(tmp_path: Path) -> Iterator[Path]:
             run("umount", "-l", str(path))
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
 @pytest.mark.parametrize("mode", ["save", "thread", "process"])
 def test_ext4_failing_to_write_back_fails_the_save_and_keeps_the_last_step(
-    thin_ext4: Path, mode: str
+    thin_ext4: Path, mode: str, direct: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every ``write`` of the second save succeeds; its data cannot reach the disk. The error
-    of the writeback (started early by write-behind, see ckptmgr.writeback) reaches the save
-    through the fsync (in the checkpoint daemon too): the step is not committed, and the one
-    before still restores."""
+    """The second save's data cannot reach the disk. Written directly (ckptmgr.direct_write),
+    the write itself fails; through the page cache (direct writes off), every ``write``
+    succeeds and the error of the writeback (started early by write-behind, see
+    ckptmgr.writeback) reaches the save through the fsync. Either way, in the checkpoint daemon
+    too, the step is not committed, and the one before still restores."""
+    monkeypatch.setattr(direct_write, "DIRECT_WRITES", direct)
+    monkeypatch.setenv(direct_write.DIRECT_WRITES_VARIABLE, "1" if direct else "0")  # the daemon
     root = thin_ext4 / "ckpts"
     async_mode = "process" if mode == "process" else "thread"
     with CheckpointManager(

@@ -252,6 +252,31 @@ def test_packed_staging_puts_small_plain_tensors_back_to_back() -> None:
     _assert_exact(unpacked, state)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared-memory"])
+def test_large_regions_start_on_a_page_boundary_after_a_pack(shared: bool) -> None:
+    # A data file written directly takes a tensor's bytes from where they lie only when they
+    # start on a block boundary (ckptmgr.direct_write): large regions are page-aligned, even
+    # after a pack (or another region) whose size is not a multiple of a page.
+    if shared and not os.path.isdir(SHARED_MEMORY_DIR):
+        pytest.skip("no shared memory directory")
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randn(70_001, generator=generator)
+    state = {
+        "small": torch.randn(1001, generator=generator),  # packed: 4004 bytes
+        "odd": torch.randn(70_003, generator=generator),  # 280,012 bytes
+        "big": torch.randn(256, 1024, generator=generator),
+        "view/a": base[:40_000],  # two views of one storage: one shared region
+        "view/b": base[30_000:],
+        "tiny_after": torch.randn(3, generator=generator),
+    }
+    buffers = StagingBuffers(shared=shared)
+    staged = buffers.stage(state, pack=any_name)
+    assert "small" in buffers.packed and "tiny_after" in buffers.packed
+    for key in ("odd", "big", "view/a"):
+        assert staged[key].data_ptr() % 4096 == 0, key
+    _assert_exact(_unpacked(staged, buffers.packed), state)
+
+
 def _runs_state(seed: int) -> dict[str, torch.Tensor]:
     """Small tensors whose pack order (by dtype, then as here) makes runs of every kind: 1-D of
     different lengths with strided, negated and parameter sources; 2-D with equal trailing

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptmgr import writeback
+from ckptmgr import direct_write, writeback
 from ckptmgr.tensor_bytes import LocalDataFile, byte_view
 from ckptmgr.writeback import WriteBehind, start_writeback
 
@@ -84,6 +84,9 @@ def test_a_data_file_holds_exactly_its_pieces_across_stretch_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool
 ) -> None:
     monkeypatch.setattr(writeback, "WRITE_BEHIND_BYTES", 4096)
+    # (write-behind is for a file written through the page cache: where direct writes are off
+    # or refused, ckptmgr.direct_write)
+    monkeypatch.setattr(direct_write, "DIRECT_WRITES", False)
     gen = torch.Generator().manual_seed(0)
     pieces = [
         torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
