@@ -1,12 +1,16 @@
-"""Write+fsync of a checkpoint-sized file, with and without write-behind (ckptmgr.writeback).
+"""Write+fsync of a checkpoint-sized file: plain, with write-behind (ckptmgr.writeback), and
+written directly (ckptmgr.direct_write).
 
 Writes ``--size-mib`` MiB (``--tensors`` float32 tensors) to a new file in ``--piece-mib`` MiB
 ``write`` calls and fsyncs it, plainly (the raw write floor of ``bench_save.py``) and with the
 writeback of every ``--stretches`` MiB started as soon as it is written, interleaved in one
 process (the order reversed every other round). Every file is written beside the previous one
 of its kind, which is deleted after, as a checkpoint's retention does (see ``Bench.fresh`` in
-``bench_save.py``). Prints each method's times, the median of the rounds after the first, and
-the median of its per-round ratios to the plain write.
+``bench_save.py``). The direct writes (``O_DIRECT``, as ckptmgr writes its data files where the
+file system takes it) write the same bytes twice over: from page-aligned tensors, as staged
+tensors are (taken by the disk from where they lie), and from tensors 64 bytes past a page
+boundary (copied through the bounce buffer). Prints each method's times, the median of the
+rounds after the first, and the median of its per-round ratios to the plain write.
 
 Usage::
 
@@ -24,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ckptmgr.direct_write import DIRECT_ALIGN, DirectWriter, open_direct
+from ckptmgr.tensor_bytes import byte_view
 from ckptmgr.writeback import WriteBehind
 
 
@@ -49,6 +55,38 @@ def write_file(path: Path, tensors: list[torch.Tensor], piece: int, stretch: int
     return time.perf_counter() - started
 
 
+def write_direct(path: Path, tensors: list[torch.Tensor], piece: int) -> float:
+    """Seconds to write ``tensors`` to ``path`` in ``piece``-byte calls through a
+    :class:`DirectWriter` and fsync it."""
+    started = time.perf_counter()
+    with open(path, "wb", buffering=0) as handle:
+        fd = open_direct(path)
+        if fd is None:
+            raise SystemExit(f"{path.parent} takes no O_DIRECT: leave out --direct")
+        writer = DirectWriter(fd, handle.fileno())
+        for tensor in tensors:
+            view = byte_view(tensor)
+            for start in range(0, view.nbytes, piece):
+                writer.write(view[start : start + piece])
+        writer.finish()
+        writer.close()
+        os.fsync(handle.fileno())
+    return time.perf_counter() - started
+
+
+def offset_copies(tensors: list[torch.Tensor], skew: int) -> list[torch.Tensor]:
+    """Copies of ``tensors`` that start ``skew`` bytes past a ``DIRECT_ALIGN`` boundary."""
+    copies = []
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        raw = torch.empty(nbytes + 2 * DIRECT_ALIGN, dtype=torch.uint8)
+        start = -raw.data_ptr() % DIRECT_ALIGN + skew
+        copy = raw[start : start + nbytes].view(tensor.dtype)
+        copy.copy_(tensor.reshape(-1))
+        copies.append(copy)
+    return copies
+
+
 def main() -> None:
     """Run the rounds and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -58,13 +96,18 @@ def main() -> None:
     parser.add_argument("--stretches", default="16,64,256", help="MiB, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp directory)")
+    parser.add_argument("--no-direct", action="store_true", help="leave out the direct writes")
     args = parser.parse_args()
     numel = args.size_mib * 2**20 // 4 // args.tensors
     gen = torch.Generator().manual_seed(0)
-    tensors = [torch.rand(numel, generator=gen) for _ in range(args.tensors)]
-    methods: dict[str, int | None] = {"plain write+fsync": None}
+    tensors = offset_copies([torch.rand(numel, generator=gen) for _ in range(args.tensors)], 0)
+    skewed = [] if args.no_direct else offset_copies(tensors, 64)
+    methods: dict[str, int | str | None] = {"plain write+fsync": None}
     for mib in args.stretches.split(","):
         methods[f"write-behind every {int(mib)} MiB"] = int(mib) * 2**20
+    if not args.no_direct:
+        methods["direct, page-aligned source"] = "aligned"
+        methods["direct, source 64 bytes off (copied)"] = "skewed"
     times: dict[str, list[float]] = {name: [] for name in methods}
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         previous: dict[str, Path] = {}
@@ -72,7 +115,12 @@ def main() -> None:
             order = list(methods) if round_number % 2 == 0 else list(methods)[::-1]
             for number, name in enumerate(order):
                 path = Path(scratch) / f"{round_number:03d}-{number}.bin"
-                took = write_file(path, tensors, args.piece_mib * 2**20, methods[name])
+                method, piece = methods[name], args.piece_mib * 2**20
+                if isinstance(method, str):
+                    source = tensors if method == "aligned" else skewed
+                    took = write_direct(path, source, piece)
+                else:
+                    took = write_file(path, tensors, piece, method)
                 if name in previous:
                     previous[name].unlink()
                 previous[name] = path

@@ -4,9 +4,12 @@ file is written through the page cache instead, and holds the same bytes."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
+import mmap
 import os
+import sys
 import zlib
 from pathlib import Path
 
@@ -263,3 +266,52 @@ def test_a_saved_state_is_written_from_its_staged_memory_without_copies(
     assert direct >= whole_blocks
     if use_async:
         assert copied <= 70_003 * 4 + 1001 * 4 + 4096  # the odd tensor, the pack, the last block
+
+
+def _resident_pages(path: Path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages of ``path``), from the kernel (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as handle:
+        # (a private, writable mapping, so that ctypes can give its address; never written)
+        mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+    start = ctypes.c_char.from_buffer(mapping)
+    vector = (ctypes.c_ubyte * pages)()
+    failed = libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), vector)
+    del start
+    mapping.close()
+    if failed:
+        raise OSError(ctypes.get_errno(), "mincore")
+    resident = sum(byte & 1 for byte in vector)
+    return resident, pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT and mincore: Linux")
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+def test_the_checkpoint_daemon_writes_directly_unless_turned_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    # Process mode: the daemon writes the data files. Written directly, they leave (almost)
+    # nothing in the page cache; with CKPTMGR_DIRECT_WRITES=0 (inherited by the daemon), the
+    # written pages stay cached after the fsync.
+    probe = tmp_path / "probe"
+    probe.touch()
+    _direct_or_skip(probe)
+    monkeypatch.setenv(direct_write.DIRECT_WRITES_VARIABLE, "1" if direct else "0")
+    state = {"w": torch.randn(2048, 1024, generator=torch.Generator().manual_seed(1))}
+    with CheckpointManager(tmp_path / "ckpts", save_interval=1, async_mode="process") as manager:
+        assert manager.save_async(1, state)
+        manager.join()
+    files = sorted((tmp_path / "ckpts").rglob("*.distcp"))
+    assert files
+    resident = total = 0
+    for path in files:
+        in_cache, pages = _resident_pages(path)
+        resident += in_cache
+        total += pages
+    assert total >= 2048
+    if direct:
+        assert resident <= len(files), f"{resident} of {total} pages in the page cache"
+    else:
+        assert resident >= total // 2, f"only {resident} of {total} pages in the page cache"
