@@ -26,9 +26,26 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import mmap
 import os
-import threading
+
+from ckptmgr.bounce_buffers import (
+    BOUNCE_BYTES,
+    DIRECT_ALIGN,
+    BounceBuffer,
+    address_of,
+    give_back_bounce_buffer,
+    take_bounce_buffer,
+)
+
+__all__ = [
+    "BOUNCE_BYTES",
+    "DIRECT_ALIGN",
+    "DIRECT_WRITES",
+    "DIRECT_WRITES_VARIABLE",
+    "DIRECT_WRITE_BYTES",
+    "DirectWriter",
+    "open_direct",
+]
 
 DIRECT_WRITES_VARIABLE = "CKPTMGR_DIRECT_WRITES"
 """Environment variable that turns direct writes off when set to ``0`` (read at import: a
@@ -39,19 +56,8 @@ DIRECT_WRITES = os.environ.get(DIRECT_WRITES_VARIABLE, "1").strip() != "0"
 ``CKPTMGR_DIRECT_WRITES=0``): always through the page cache, with write-behind
 (:mod:`ckptmgr.writeback`)."""
 
-DIRECT_ALIGN = 4096
-"""Alignment of the offset, the length and the address of every direct write: the page size,
-a multiple of the logical block size of common disks (512 or 4096 bytes)."""
-
-BOUNCE_BYTES = 8 * 2**20
-"""Size of the aligned buffer that gathers bytes which cannot be written from where they lie."""
-
 DIRECT_WRITE_BYTES = 64 * 2**20
 """Largest single direct write (a larger aligned stretch is written in several)."""
-
-_POOL_SIZE = 8  # bounce buffers kept for reuse (one per data file written at once)
-_pool: list[tuple[mmap.mmap, ctypes.Array[ctypes.c_char]]] = []
-_pool_lock = threading.Lock()
 
 
 def open_direct(path: str | os.PathLike[str]) -> int | None:
@@ -68,27 +74,6 @@ def open_direct(path: str | os.PathLike[str]) -> int | None:
         raise
 
 
-def _take_bounce() -> tuple[mmap.mmap, ctypes.Array[ctypes.c_char]]:
-    with _pool_lock:
-        if _pool:
-            return _pool.pop()
-    buffer = mmap.mmap(-1, BOUNCE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return buffer, (ctypes.c_char * BOUNCE_BYTES).from_buffer(buffer)
-
-
-def _give_back(bounce: tuple[mmap.mmap, ctypes.Array[ctypes.c_char]]) -> None:
-    with _pool_lock:
-        if len(_pool) < _POOL_SIZE:
-            _pool.append(bounce)
-
-
-def _address(piece: memoryview) -> int | None:
-    """The address of ``piece``'s first byte, or None for a read-only or empty buffer."""
-    if piece.readonly or not piece.nbytes:
-        return None
-    return ctypes.addressof(ctypes.c_char.from_buffer(piece))
-
-
 class DirectWriter:
     """Appends bytes to a file from offset 0: aligned blocks with ``O_DIRECT`` (``direct_fd``),
     the unaligned end of the file through the page cache (``buffered_fd``).
@@ -103,7 +88,7 @@ class DirectWriter:
         self._buffered_fd = buffered_fd
         self._position = 0  # file offset of the next byte appended
         self._fill = 0  # bytes in the bounce buffer; they belong at _position - _fill
-        self._bounce: tuple[mmap.mmap, ctypes.Array[ctypes.c_char]] | None = _take_bounce()
+        self._bounce: BounceBuffer | None = take_bounce_buffer()
         self.direct_bytes = 0
         self.copied_bytes = 0
         self.buffered_bytes = 0
@@ -115,7 +100,7 @@ class DirectWriter:
 
     def write(self, piece: memoryview) -> None:
         """Append ``piece`` (the GIL is released during the copies and writes)."""
-        address = _address(piece)
+        address = address_of(piece)
         done = 0
         while done < piece.nbytes:
             left = piece.nbytes - done
@@ -158,15 +143,15 @@ class DirectWriter:
             os.close(fd)
         bounce, self._bounce = self._bounce, None
         if bounce is not None:
-            _give_back(bounce)
+            give_back_bounce_buffer(bounce)
 
     def _copy_in(self, piece: memoryview, done: int, address: int | None, count: int) -> None:
         assert self._bounce is not None
-        target = ctypes.addressof(self._bounce[1]) + self._fill
+        target = self._bounce.address + self._fill
         if address is not None:
             ctypes.memmove(target, address + done, count)  # (ctypes releases the GIL)
         else:
-            self._bounce[0][self._fill : self._fill + count] = piece[done : done + count]
+            self._bounce.memory[self._fill : self._fill + count] = piece[done : done + count]
         self._fill += count
         self.copied_bytes += count
 
@@ -177,7 +162,7 @@ class DirectWriter:
             return
         start = self._position - self._fill  # a block boundary
         blocks = self._fill - self._fill % DIRECT_ALIGN
-        view = memoryview(self._bounce[0])
+        view = memoryview(self._bounce.memory)
         written = 0
         if blocks and self._direct_fd is not None:
             if self._pwrite_direct(view[:blocks], start):
