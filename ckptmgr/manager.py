@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptmgr import dcp_io, pack_load, packing, pruning, retention
+from ckptmgr import dcp_io, direct_read, pack_load, packing, pruning, retention
 from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter, FailureHandover
 from ckptmgr.collectives import Collectives
@@ -965,7 +965,10 @@ class CheckpointManager:
         if not isinstance(state_dict, MutableMapping):
             raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__qualname__}")
         # The disk reads ahead while the record is parsed and the state matched against it.
-        prefetch = Prefetch(self._storage.step_path(step)) if self._storage.is_local else None
+        prefetch = None
+        if self._storage.is_local:
+            read_directly = (dcp_io.DATA_SUFFIX,) if direct_read.DIRECT_READS else ()
+            prefetch = Prefetch(self._storage.step_path(step), skip_suffixes=read_directly)
         pack_reads: list[PackReadAhead] = []
         try:
             self._restore(step, state_dict, pack_reads)

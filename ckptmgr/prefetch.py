@@ -9,6 +9,9 @@ Only the first :data:`PREFETCH_BUDGET_BYTES` of a step are asked for: the Python
 reads is per tensor, not per byte, so a checkpoint of large tensors has little of it to hide, and
 reading gigabytes ahead could evict pages before the restore reads them. It is a hint only: any
 error is ignored, and where the call does not exist (macOS) nothing is done.
+
+Files that the restore reads past the page cache (data files, :mod:`ckptmgr.direct_read`) are
+not asked for: a direct read does not use cached pages, so the disk would read them twice.
 """
 
 from __future__ import annotations
@@ -29,9 +32,17 @@ class Prefetch:
     """Read-ahead of the files of one local step directory, on a thread of its own (the hint can
     block while the kernel queues the reads)."""
 
-    def __init__(self, step_path: str, budget_bytes: int = PREFETCH_BUDGET_BYTES) -> None:
+    def __init__(
+        self,
+        step_path: str,
+        budget_bytes: int = PREFETCH_BUDGET_BYTES,
+        *,
+        skip_suffixes: tuple[str, ...] = (),
+    ) -> None:
+        """``skip_suffixes``: files whose names end so are not asked for."""
         self._step_path = step_path
         self._budget = budget_bytes
+        self._skip_suffixes = skip_suffixes
         self.requested_bytes = 0
         """Bytes asked for so far (for tests and logs)."""
         self._thread: threading.Thread | None = None
@@ -48,7 +59,9 @@ class Prefetch:
             if self.requested_bytes >= self._budget:
                 return
             try:
-                if not entry.is_file(follow_symlinks=False):
+                if not entry.is_file(follow_symlinks=False) or (
+                    self._skip_suffixes and entry.name.endswith(self._skip_suffixes)
+                ):
                     continue
                 length = min(entry.stat().st_size, self._budget - self.requested_bytes)
                 fd = os.open(entry.path, os.O_RDONLY)

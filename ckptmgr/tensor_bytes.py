@@ -13,7 +13,8 @@ dtype and chunk shape, so nothing else is needed to read the bytes back.
   out like it (the usual in-place restore); into a CUDA destination laid out like it, through
   pieces of pinned host memory, each copied to the device while the next is read
   (:func:`read_chunk_to_device`); otherwise into a temporary that is then narrowed and copied.
-  A local file is hashed while it is read and checked at the end (``finish``).
+  A local file is hashed while it is read and checked at the end (``finish``), and read past
+  the page cache where the filesystem allows (:mod:`ckptmgr.direct_read`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ckptmgr.direct_read import DirectReader, open_direct_read
 from ckptmgr.direct_write import DirectWriter, open_direct
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.integrity import crc32
@@ -344,7 +346,8 @@ a large file reads the rest of it only to hash it, in buffers that would otherwi
 
 
 class VerifyingLocalFile:
-    """A local data file read in increasing offsets, hashed while it is read.
+    """A local data file read in increasing offsets, hashed while it is read; past the page
+    cache where the filesystem allows (:mod:`ckptmgr.direct_read`).
 
     ``finish`` reads what is left, then checks the size and CRC-32 against ``check`` (a callable
     ``(size, crc) -> None`` that raises ``CorruptCheckpointError``), so damage anywhere in the
@@ -357,6 +360,12 @@ class VerifyingLocalFile:
         self, path: str | os.PathLike[str], name: str, check: Any, *, hash_inline: bool = False
     ) -> None:
         self._file = open(path, "rb", buffering=0)
+        try:
+            direct_fd = open_direct_read(path)
+        except BaseException:
+            self._file.close()
+            raise
+        self._reader = DirectReader(direct_fd, self._file.fileno())
         self._name = name
         self._check = check
         self._hasher: OrderedHasher | None = None
@@ -383,8 +392,15 @@ class VerifyingLocalFile:
             self._hasher = None
             self._check(self._position, crc)
 
+    @property
+    def reader(self) -> DirectReader:
+        """How the file is read: past the page cache where the filesystem allows
+        (:mod:`ckptmgr.direct_read`)."""
+        return self._reader
+
     def close(self) -> None:
         """Close the file (and end the hashing thread)."""
+        self._reader.close()
         self._file.close()
         if self._hasher is not None:
             try:
@@ -394,16 +410,13 @@ class VerifyingLocalFile:
             self._hasher = None
 
     def _read_exactly(self, piece: memoryview, offset: int, *, hashed: bool, owner: Any) -> None:
-        done = 0
-        while done < piece.nbytes:
-            count = os.preadv(self._file.fileno(), [piece[done:]], offset + done)
-            if count == 0:
-                raise CorruptCheckpointError(
-                    f"the file ends at byte {offset + done}, before the tensor bytes it should "
-                    f"hold at {offset}..{offset + piece.nbytes}",
-                    path=self._name,
-                )
-            done += count
+        done = self._reader.read(piece, offset)
+        if done < piece.nbytes:
+            raise CorruptCheckpointError(
+                f"the file ends at byte {offset + done}, before the tensor bytes it should "
+                f"hold at {offset}..{offset + piece.nbytes}",
+                path=self._name,
+            )
         if hashed:
             if self._hasher is not None:
                 self._hasher.add(piece, owner)
@@ -413,8 +426,9 @@ class VerifyingLocalFile:
         """Read (and hash) the bytes up to ``offset`` (None: to the end of the file)."""
         while offset is None or self._position < offset:
             want = _HANDOFF_BYTES * 8 if offset is None else min(offset - self._position, 1 << 23)
-            buffer = os.pread(self._file.fileno(), want, self._position)
-            if not buffer:
+            buffer = torch.empty(want, dtype=torch.uint8)
+            count = self._reader.read(byte_view(buffer), self._position)
+            if not count:
                 if offset is None:
                     return
                 raise CorruptCheckpointError(
@@ -422,8 +436,8 @@ class VerifyingLocalFile:
                     path=self._name,
                 )
             if self._hasher is not None:
-                self._hasher.add(memoryview(buffer), buffer)
-            self._position += len(buffer)
+                self._hasher.add(byte_view(buffer)[:count], buffer)
+            self._position += count
 
 
 def _readinto_of(stream: Any) -> Callable[[memoryview], int]:

@@ -4,10 +4,8 @@ file is written through the page cache instead, and holds the same bytes."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
-import mmap
 import os
 import sys
 import zlib
@@ -15,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _page_cache import resident_pages
 
 from ckptmgr import CheckpointManager, direct_write
 from ckptmgr.direct_write import BOUNCE_BYTES, DIRECT_ALIGN, DirectWriter, open_direct
@@ -268,25 +267,6 @@ def test_a_saved_state_is_written_from_its_staged_memory_without_copies(
         assert copied <= 70_003 * 4 + 1001 * 4 + 4096  # the odd tensor, the pack, the last block
 
 
-def _resident_pages(path: Path) -> tuple[int, int]:
-    """(pages of ``path`` in the page cache, pages of ``path``), from the kernel (mincore)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    size = path.stat().st_size
-    pages = -(-size // mmap.PAGESIZE)
-    with open(path, "rb") as handle:
-        # (a private, writable mapping, so that ctypes can give its address; never written)
-        mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
-    start = ctypes.c_char.from_buffer(mapping)
-    vector = (ctypes.c_ubyte * pages)()
-    failed = libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), vector)
-    del start
-    mapping.close()
-    if failed:
-        raise OSError(ctypes.get_errno(), "mincore")
-    resident = sum(byte & 1 for byte in vector)
-    return resident, pages
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT and mincore: Linux")
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
 def test_the_checkpoint_daemon_writes_directly_unless_turned_off(
@@ -307,7 +287,7 @@ def test_the_checkpoint_daemon_writes_directly_unless_turned_off(
     assert files
     resident = total = 0
     for path in files:
-        in_cache, pages = _resident_pages(path)
+        in_cache, pages = resident_pages(path)
         resident += in_cache
         total += pages
     assert total >= 2048

@@ -39,6 +39,15 @@ def test_the_budget_caps_what_is_asked_for(tmp_path: Path) -> None:
     assert prefetch.requested_bytes == 7000
 
 
+@needs_fadvise
+def test_files_read_past_the_page_cache_are_not_asked_for(tmp_path: Path) -> None:
+    # (a direct read does not use cached pages: the disk would read them twice)
+    step = _files(tmp_path, {"a.distcp": 5000, "b.distcp": 5000, ".metadata": 100, "c.json": 7})
+    prefetch = Prefetch(str(step), skip_suffixes=(".distcp",))
+    prefetch.join()
+    assert prefetch.requested_bytes == 107
+
+
 def test_a_missing_directory_is_no_error(tmp_path: Path) -> None:
     prefetch = Prefetch(str(tmp_path / "gone"))
     prefetch.join()

@@ -1,0 +1,42 @@
+"""What of a file the kernel holds in its page cache (Linux: ``mincore``), for tests of reads and
+writes that go past it."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+
+def resident_pages(path: Path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages of ``path``), from the kernel."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    if not size:
+        return 0, 0
+    with open(path, "rb") as handle:
+        # (a private, writable mapping, so that ctypes can give its address; never written)
+        mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+    start = ctypes.c_char.from_buffer(mapping)
+    vector = (ctypes.c_ubyte * pages)()
+    failed = libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), vector)
+    del start
+    mapping.close()
+    if failed:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(byte & 1 for byte in vector), pages
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """Ask the kernel to drop ``path`` (a file, or every file under a directory) from its page
+    cache (a hint: dirty or mapped pages stay)."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
