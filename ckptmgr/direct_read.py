@@ -7,10 +7,10 @@ must reclaim them). With ``O_DIRECT`` the disk puts the bytes into memory given 
 caller.
 
 Direct I/O wants the file offset, the length and the memory address aligned
-(:data:`~ckptmgr.bounce_buffers.DIRECT_ALIGN`). Where a destination's address lines up with
+(:data:`~ckptmgr.direct_io.DIRECT_ALIGN`). Where a destination's address lines up with
 its file offset (pinned host pieces of a restore to a GPU, page-aligned buffers) its whole
 blocks are read straight into it. Other bytes (torch's CPU tensors start 64 bytes past a page)
-go through a window: :data:`~ckptmgr.bounce_buffers.BOUNCE_BYTES` of the file read into a
+go through a window: :data:`~ckptmgr.direct_io.BOUNCE_BYTES` of the file read into a
 reused aligned buffer and copied out (``memmove``, GIL released), while the next window of a
 file read in order is already being read on a helper thread. Where the filesystem refuses
 ``O_DIRECT`` (at ``open`` or at the first read) everything is read through the page cache.
@@ -30,12 +30,13 @@ import errno
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ckptmgr.bounce_buffers import (
+from ckptmgr.direct_io import (
     BOUNCE_BYTES,
     DIRECT_ALIGN,
     BounceBuffer,
     address_of,
     give_back_bounce_buffer,
+    open_for_direct_io,
     take_bounce_buffer,
 )
 
@@ -54,15 +55,7 @@ several)."""
 def open_direct_read(path: str | os.PathLike[str]) -> int | None:
     """A descriptor of ``path`` for direct reads; None where the platform or the filesystem has
     no ``O_DIRECT`` (or :data:`DIRECT_READS` is off)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not DIRECT_READS or not flag:
-        return None
-    try:
-        return os.open(path, os.O_RDONLY | flag)
-    except OSError as exc:
-        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-            return None  # tmpfs before Linux 6.6, and others
-        raise
+    return open_for_direct_io(path, os.O_RDONLY) if DIRECT_READS else None
 
 
 class _Window:

@@ -28,12 +28,13 @@ import ctypes
 import errno
 import os
 
-from ckptmgr.bounce_buffers import (
+from ckptmgr.direct_io import (
     BOUNCE_BYTES,
     DIRECT_ALIGN,
     BounceBuffer,
     address_of,
     give_back_bounce_buffer,
+    open_for_direct_io,
     take_bounce_buffer,
 )
 
@@ -63,15 +64,7 @@ DIRECT_WRITE_BYTES = 64 * 2**20
 def open_direct(path: str | os.PathLike[str]) -> int | None:
     """A second descriptor of the existing file ``path``, for direct writes; None where the
     platform or the filesystem has no ``O_DIRECT`` (or :data:`DIRECT_WRITES` is off)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not DIRECT_WRITES or not flag:
-        return None
-    try:
-        return os.open(path, os.O_WRONLY | flag)
-    except OSError as exc:
-        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-            return None  # tmpfs and others
-        raise
+    return open_for_direct_io(path, os.O_WRONLY) if DIRECT_WRITES else None
 
 
 class DirectWriter:

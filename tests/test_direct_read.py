@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _page_cache import drop_from_page_cache, resident_pages
+from _direct_io import drop_from_page_cache, refuse_o_direct_at_open, resident_pages
 
 from ckptmgr import CheckpointManager, CorruptCheckpointError, direct_read
-from ckptmgr.bounce_buffers import BOUNCE_BYTES, DIRECT_ALIGN
+from ckptmgr.direct_io import BOUNCE_BYTES, DIRECT_ALIGN
 from ckptmgr.direct_read import DirectReader, open_direct_read
 from ckptmgr.tensor_bytes import VerifyingLocalFile, byte_view
 
@@ -228,15 +228,7 @@ def test_where_direct_reads_are_off_everything_goes_through_the_page_cache(
 def test_a_filesystem_that_refuses_o_direct_at_open_is_read_through_the_page_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Fault injection: open() with O_DIRECT fails with EINVAL, as on tmpfs before Linux 6.6.
-    real_open = os.open
-
-    def refusing_open(path: str | os.PathLike[str], flags: int, *args: int) -> int:
-        if flags & getattr(os, "O_DIRECT", 0):
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(direct_read.os, "open", refusing_open)
+    refuse_o_direct_at_open(monkeypatch)  # (fault injection)
     path, blob = _file(tmp_path, BOUNCE_BYTES + 11)
     source = VerifyingLocalFile(path, "data.distcp", None)
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _page_cache import resident_pages
+from _direct_io import refuse_o_direct_at_open, resident_pages
 
 from ckptmgr import CheckpointManager, direct_write
 from ckptmgr.direct_write import BOUNCE_BYTES, DIRECT_ALIGN, DirectWriter, open_direct
@@ -131,15 +131,7 @@ def test_read_only_pieces_are_copied(tmp_path: Path) -> None:
 def test_a_filesystem_that_refuses_o_direct_is_written_through_the_page_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Fault injection: open() with O_DIRECT fails with EINVAL, as on tmpfs before Linux 6.6.
-    real_open = os.open
-
-    def refusing_open(path: str | os.PathLike[str], flags: int, *args: int) -> int:
-        if flags & getattr(os, "O_DIRECT", 0):
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(direct_write.os, "open", refusing_open)
+    refuse_o_direct_at_open(monkeypatch)  # (fault injection)
     path = tmp_path / "data.distcp"
     source = _aligned_bytes(2 * 2**20 + 3)
     pieces = [byte_view(source)]

@@ -1,12 +1,16 @@
-"""What of a file the kernel holds in its page cache (Linux: ``mincore``), for tests of reads and
-writes that go past it."""
+"""For tests of reads and writes that go past the page cache (``O_DIRECT``): what of a file the
+kernel holds in its page cache (Linux: ``mincore``), dropping a file from it, and a filesystem
+that refuses ``O_DIRECT``."""
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 from pathlib import Path
+
+import pytest
 
 
 def resident_pages(path: Path) -> tuple[int, int]:
@@ -40,3 +44,16 @@ def drop_from_page_cache(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def refuse_o_direct_at_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: from now on (for the test), ``open`` with ``O_DIRECT`` fails with
+    ``EINVAL``, as on tmpfs before Linux 6.6."""
+    real_open = os.open
+
+    def refusing_open(path: str | os.PathLike[str], flags: int, *args: int) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)

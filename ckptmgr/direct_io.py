@@ -1,5 +1,6 @@
-"""Aligned memory for direct I/O (``O_DIRECT``): the alignment it needs, and a pool of reused
-buffers through which the bytes go that cannot be moved from or to where they lie.
+"""What direct reads and writes (``O_DIRECT``) share: opening a file for them, the alignment
+they need, and a pool of reused buffers through which the bytes go that cannot be moved from or
+to where they lie.
 
 Direct I/O wants the file offset, the length and the memory address of each call aligned
 (:data:`DIRECT_ALIGN`). Writes (:mod:`ckptmgr.direct_write`) gather unaligned bytes in a bounce
@@ -11,7 +12,9 @@ reuse so that a save or a restore does not pay their page faults again.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
+import os
 import threading
 
 DIRECT_ALIGN = 4096
@@ -24,6 +27,20 @@ BOUNCE_BYTES = 8 * 2**20
 _POOL_SIZE = 8  # buffers kept for reuse (a writer holds one, a reader two)
 _pool: list[BounceBuffer] = []
 _pool_lock = threading.Lock()
+
+
+def open_for_direct_io(path: str | os.PathLike[str], flags: int) -> int | None:
+    """``os.open(path, flags | O_DIRECT)``; None where the platform has no ``O_DIRECT`` or the
+    filesystem refuses it at ``open`` (tmpfs before Linux 6.6, and others)."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        return None
+    try:
+        return os.open(path, flags | direct)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return None
+        raise
 
 
 class BounceBuffer:
