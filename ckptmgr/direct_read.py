@@ -164,11 +164,9 @@ class DirectReader:
         if current is not None and current.holds(position):
             return current
         ahead = self._next
-        if (
-            ahead is None
-            or ahead.ahead is None
-            or not ahead.start <= position < ahead.start + (BOUNCE_BYTES)
-        ):
+        if ahead is None or ahead.ahead is None:
+            return None
+        if not ahead.start <= position < ahead.start + BOUNCE_BYTES:
             return None
         future, ahead.ahead = ahead.ahead, None
         try:
