@@ -61,8 +61,8 @@ from ckptmgr.integrity import (
     HashingWriter,
     check_content,
     check_relative_path,
+    crc32,
     crc32_of_stream,
-    crc32_update,
 )
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE
@@ -647,7 +647,7 @@ class _Spool(io.RawIOBase):
         target = self._memory if self._memory is not None else self._file
         assert target is not None
         target.write(data)
-        self.crc32 = crc32_update(self.crc32, data)
+        self.crc32 = crc32(data, self.crc32)
         self._size += size
         return size
 
@@ -781,7 +781,7 @@ class RetryingFileSystem(FileSystemBase):
                     if not chunk:
                         break
                     spool.write(chunk)
-                    crc = crc32_update(crc, chunk)
+                    crc = crc32(chunk, crc)
                     size += len(chunk)
             spool.seek(0)
         except BaseException:

@@ -43,11 +43,6 @@ def crc32(data: Any, value: int = 0) -> int:
     return _CRC32(data, value)
 
 
-def crc32_update(crc: int, data: Any) -> int:
-    """``crc`` extended by the bytes-like ``data``."""
-    return _CRC32(data, crc)
-
-
 def check_relative_path(path: str, *, step: int | None = None) -> str:
     """``path`` if it is a plain relative path inside a step directory, else
     ``CorruptCheckpointError``: no absolute paths, no ``..``, no backslashes, no empty parts."""
