@@ -18,9 +18,13 @@ file read in order is already being read on a helper thread. Where the filesyste
 Measured on the benchmark machine (2 cores, ext4 on a virtual disk whose reads stall at times
 for a second or more): restores of 1 GiB in 64 tensors, direct and through the page cache in
 random order in one process, took medians of 0.65, 0.83 and 1.12 s against 2.00, 1.11 and
-1.77 s in three runs, and used 0.53-0.60 s of CPU against 0.80-1.31 s. In two runs of
-``bench_save.py`` (a) the medians were even (0.62, 0.74 s against 0.56, 0.68 s);
-docs/benchmarks.md, "Direct reads".
+1.77 s in three runs, and used 0.53-0.60 s of CPU against 0.80-1.31 s. But two runs of
+``bench_save.py`` (a) were even (0.62, 0.74 s against 0.56, 0.68 s), and restores of (b)
+(1.2 GB in 48 tensors of up to 64 MiB) were slower: 1.98 and 0.89 s against 1.10 and 0.57 s
+in ``bench_save.py``, 2.03 s against 1.76 s (windows of 64 MiB: 1.62 s) in a throwaway script,
+where the reads waited for the disk at about 0.6 GB/s, one window at a time, while the page
+cache's own read-ahead kept more in flight. Hence off by default (docs/benchmarks.md, "Direct
+reads").
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ from ckptmgr.direct_io import (
 )
 
 DIRECT_READS_VARIABLE = "CKPTMGR_DIRECT_READS"
-"""Environment variable that turns direct reads off when set to ``0`` (read at import)."""
+"""Environment variable that turns direct reads on when set to ``1`` (read at import)."""
 
-DIRECT_READS = os.environ.get(DIRECT_READS_VARIABLE, "1").strip() != "0"
-"""Read local data files with ``O_DIRECT`` where the filesystem takes it (Linux); False (or
-``CKPTMGR_DIRECT_READS=0``): always through the page cache."""
+DIRECT_READS = os.environ.get(DIRECT_READS_VARIABLE, "0").strip() not in ("", "0")
+"""Read local data files with ``O_DIRECT`` where the filesystem takes it (Linux). Off by
+default (``CKPTMGR_DIRECT_READS=1`` turns it on): on the benchmark machine a restore of the
+MLP + AdamW state (b) took longer read directly than through the page cache (below)."""
 
 DIRECT_READ_BYTES = 64 * 2**20
 """Largest single direct read into a caller's buffer (a larger aligned stretch is read in

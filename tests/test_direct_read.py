@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +23,12 @@ from ckptmgr.tensor_bytes import VerifyingLocalFile, byte_view
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="O_DIRECT and mincore: Linux"
 )
+
+
+@pytest.fixture(autouse=True)
+def _direct_reads_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Direct reads are off by default (CKPTMGR_DIRECT_READS=1 turns them on): on here."""
+    monkeypatch.setattr(direct_read, "DIRECT_READS", True)
 
 
 def _file(tmp_path: Path, nbytes: int, seed: int = 0) -> tuple[Path, bytes]:
@@ -263,7 +270,7 @@ def test_a_restore_reads_data_files_past_the_page_cache_unless_turned_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
 ) -> None:
     # Read directly, the data files leave (almost) nothing in the page cache; with direct reads
-    # off (CKPTMGR_DIRECT_READS=0) the restore's reads fill it. Either way every byte is back.
+    # off (the default) the restore's reads fill it. Either way every byte is back.
     probe = tmp_path / "probe"
     probe.touch()
     if open_direct_read(probe) is None:
@@ -296,3 +303,21 @@ def test_a_restore_reads_data_files_past_the_page_cache_unless_turned_off(
     else:
         assert not direct_fds
         assert resident >= total // 2, f"only {resident} of {total} pages in the page cache"
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, False), ("0", False), ("1", True)])
+def test_direct_reads_are_off_unless_the_environment_turns_them_on(
+    value: str | None, expected: bool
+) -> None:
+    environment = {k: v for k, v in os.environ.items() if k != direct_read.DIRECT_READS_VARIABLE}
+    if value is not None:
+        environment[direct_read.DIRECT_READS_VARIABLE] = value
+    shown = subprocess.run(
+        [sys.executable, "-c", "import ckptmgr.direct_read as d; print(d.DIRECT_READS)"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
+    assert shown == str(expected)
