@@ -10,8 +10,9 @@ reads is per tensor, not per byte, so a checkpoint of large tensors has little o
 reading gigabytes ahead could evict pages before the restore reads them. It is a hint only: any
 error is ignored, and where the call does not exist (macOS) nothing is done.
 
-Files that the restore reads past the page cache (data files, :mod:`ckptmgr.direct_read`) are
-not asked for: a direct read does not use cached pages, so the disk would read them twice.
+Where the restore reads data files past the page cache (direct reads on,
+:mod:`ckptmgr.direct_read`), they are not asked for: a direct read does not use cached pages, so
+the disk would read them twice.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ dtype and chunk shape, so nothing else is needed to read the bytes back.
   pieces of pinned host memory, each copied to the device while the next is read
   (:func:`read_chunk_to_device`); otherwise into a temporary that is then narrowed and copied.
   A local file is hashed while it is read and checked at the end (``finish``), and read past
-  the page cache where the filesystem allows (:mod:`ckptmgr.direct_read`).
+  the page cache where direct reads are on and the filesystem allows
+  (:mod:`ckptmgr.direct_read`).
 """
 
 from __future__ import annotations
@@ -347,7 +348,7 @@ a large file reads the rest of it only to hash it, in buffers that would otherwi
 
 class VerifyingLocalFile:
     """A local data file read in increasing offsets, hashed while it is read; past the page
-    cache where the filesystem allows (:mod:`ckptmgr.direct_read`).
+    cache where direct reads are on and the filesystem allows (:mod:`ckptmgr.direct_read`).
 
     ``finish`` reads what is left, then checks the size and CRC-32 against ``check`` (a callable
     ``(size, crc) -> None`` that raises ``CorruptCheckpointError``), so damage anywhere in the
@@ -394,8 +395,8 @@ class VerifyingLocalFile:
 
     @property
     def reader(self) -> DirectReader:
-        """How the file is read: past the page cache where the filesystem allows
-        (:mod:`ckptmgr.direct_read`)."""
+        """How the file is read: past the page cache where direct reads are on and the
+        filesystem allows (:mod:`ckptmgr.direct_read`)."""
         return self._reader
 
     def close(self) -> None:
