@@ -12,9 +12,21 @@ from pathlib import Path
 
 import pytest
 
+from ckptmgr.direct_io import open_for_direct_io
 
-def resident_pages(path: Path) -> tuple[int, int]:
-    """(pages of ``path`` in the page cache, pages of ``path``), from the kernel."""
+
+def resident_pages(paths: list[Path]) -> tuple[int, int]:
+    """(pages of the files ``paths`` in the page cache, pages of those files), from the
+    kernel."""
+    resident = total = 0
+    for path in paths:
+        in_cache, pages = _resident_pages_of(path)
+        resident += in_cache
+        total += pages
+    return resident, total
+
+
+def _resident_pages_of(path: Path) -> tuple[int, int]:
     libc = ctypes.CDLL(None, use_errno=True)
     size = path.stat().st_size
     pages = -(-size // mmap.PAGESIZE)
@@ -57,3 +69,16 @@ def refuse_o_direct_at_open(monkeypatch: pytest.MonkeyPatch) -> None:
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", refusing_open)
+
+
+def skip_without_o_direct(directory: Path) -> None:
+    """Skip the test where the filesystem of ``directory`` takes no ``O_DIRECT``."""
+    probe = directory / ".o-direct-probe"
+    probe.touch()
+    try:
+        fd = open_for_direct_io(probe, os.O_RDONLY)
+    finally:
+        probe.unlink()
+    if fd is None:
+        pytest.skip(f"{directory} takes no O_DIRECT")
+    os.close(fd)

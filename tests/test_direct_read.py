@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _direct_io import drop_from_page_cache, refuse_o_direct_at_open, resident_pages
+from _direct_io import (
+    drop_from_page_cache,
+    refuse_o_direct_at_open,
+    resident_pages,
+    skip_without_o_direct,
+)
 
 from ckptmgr import CheckpointManager, CorruptCheckpointError, direct_read
 from ckptmgr.direct_io import BOUNCE_BYTES, DIRECT_ALIGN
@@ -271,10 +276,7 @@ def test_a_restore_reads_data_files_past_the_page_cache_unless_turned_off(
 ) -> None:
     # Read directly, the data files leave (almost) nothing in the page cache; with direct reads
     # off (the default) the restore's reads fill it. Either way every byte is back.
-    probe = tmp_path / "probe"
-    probe.touch()
-    if open_direct_read(probe) is None:
-        pytest.skip(f"{tmp_path} takes no O_DIRECT")
+    skip_without_o_direct(tmp_path)
     monkeypatch.setattr(direct_read, "DIRECT_READS", direct)
     direct_fds = _track_direct_fds(monkeypatch)
     generator = torch.Generator().manual_seed(2)
@@ -291,11 +293,7 @@ def test_a_restore_reads_data_files_past_the_page_cache_unless_turned_off(
         manager.restore(1, target)
     for key, value in state.items():
         assert torch.equal(target[key], value), key
-    resident = total = 0
-    for path in files:
-        in_cache, pages = resident_pages(path)
-        resident += in_cache
-        total += pages
+    resident, total = resident_pages(files)
     assert total >= 2048
     if direct:
         assert direct_fds

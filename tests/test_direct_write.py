@@ -13,18 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from _direct_io import refuse_o_direct_at_open, resident_pages
+from _direct_io import refuse_o_direct_at_open, resident_pages, skip_without_o_direct
 
 from ckptmgr import CheckpointManager, direct_write
 from ckptmgr.direct_write import BOUNCE_BYTES, DIRECT_ALIGN, DirectWriter, open_direct
 from ckptmgr.tensor_bytes import LocalDataFile, byte_view
 
 
-def _direct_or_skip(path: Path) -> None:
-    fd = open_direct(path)
-    if fd is None:
-        pytest.skip(f"{path.parent} takes no O_DIRECT")
-    os.close(fd)
+@pytest.fixture(autouse=True)
+def _direct_writes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Direct writes are on by default (CKPTMGR_DIRECT_WRITES=0 turns them off): on here."""
+    monkeypatch.setattr(direct_write, "DIRECT_WRITES", True)
 
 
 def _aligned_bytes(nbytes: int, seed: int = 0) -> torch.Tensor:
@@ -59,7 +58,7 @@ def _check_file(path: Path, pieces: list[memoryview], size: int, crc: int) -> No
 def test_pieces_that_line_up_are_written_from_their_own_memory(tmp_path: Path) -> None:
     path = tmp_path / "data.distcp"
     path.touch()
-    _direct_or_skip(path)
+    skip_without_o_direct(path.parent)
     source = _aligned_bytes(5 * 2**20 + 3 * DIRECT_ALIGN + 100)
     whole = byte_view(source)
     # Whole blocks, back to back from a block boundary, then a tail that fills no block.
@@ -108,7 +107,7 @@ def test_any_sizes_and_addresses_give_exactly_the_pieces(
 def test_pieces_that_never_line_up_go_through_the_bounce_buffer(tmp_path: Path) -> None:
     path = tmp_path / "data.distcp"
     path.touch()
-    _direct_or_skip(path)
+    skip_without_o_direct(path.parent)
     source = _aligned_bytes(3 * BOUNCE_BYTES + 64)
     whole = byte_view(source)
     pieces = [whole[0:100], whole[164 : 164 + 3 * BOUNCE_BYTES - 100]]  # offsets 100, addr 164
@@ -157,7 +156,7 @@ def test_a_direct_write_refused_midway_falls_back_and_loses_nothing(
     # ``refused_after`` of them (as some FUSE filesystems do from the first).
     path = tmp_path / "data.distcp"
     path.touch()
-    _direct_or_skip(path)
+    skip_without_o_direct(path.parent)
     direct_fds: set[int] = set()
     real_open_direct, real_pwrite = direct_write.open_direct, os.pwrite
     taken = [0]
@@ -216,9 +215,7 @@ def test_a_saved_state_is_written_from_its_staged_memory_without_copies(
     # there. Only the pack of small tensors and the tensor of an odd size are copied. (A
     # synchronous save writes from the state's own tensors, wherever the allocator put them:
     # through the bounce buffer, still directly.)
-    probe = tmp_path / "probe"
-    probe.touch()
-    _direct_or_skip(probe)
+    skip_without_o_direct(tmp_path)
     closed: list[DirectWriter] = []
     real_close = DirectWriter.close
 
@@ -267,9 +264,7 @@ def test_the_checkpoint_daemon_writes_directly_unless_turned_off(
     # Process mode: the daemon writes the data files. Written directly, they leave (almost)
     # nothing in the page cache; with CKPTMGR_DIRECT_WRITES=0 (inherited by the daemon), the
     # written pages stay cached after the fsync.
-    probe = tmp_path / "probe"
-    probe.touch()
-    _direct_or_skip(probe)
+    skip_without_o_direct(tmp_path)
     monkeypatch.setenv(direct_write.DIRECT_WRITES_VARIABLE, "1" if direct else "0")
     state = {"w": torch.randn(2048, 1024, generator=torch.Generator().manual_seed(1))}
     with CheckpointManager(tmp_path / "ckpts", save_interval=1, async_mode="process") as manager:
@@ -277,11 +272,7 @@ def test_the_checkpoint_daemon_writes_directly_unless_turned_off(
         manager.join()
     files = sorted((tmp_path / "ckpts").rglob("*.distcp"))
     assert files
-    resident = total = 0
-    for path in files:
-        in_cache, pages = resident_pages(path)
-        resident += in_cache
-        total += pages
+    resident, total = resident_pages(files)
     assert total >= 2048
     if direct:
         assert resident <= len(files), f"{resident} of {total} pages in the page cache"
