@@ -27,15 +27,23 @@ Managers in one process share one holding per root (reference counted), so a pro
 conflicts with itself; ranks of one job share the lease because only rank 0 acquires it.
 Read-only use (listing, restoring, the command line) never touches the lease.
 
+On a local file system every read-then-write of the record (heartbeat, acquire, take-over,
+release) holds an exclusive ``flock`` of ``owner.json.lock`` beside it, so none of them
+overwrites or deletes a record written between its read and its write.
+
 Limits: the lease detects misconfiguration, it is no lock service. Between two heartbeats a
 writer that lost the lease can still commit one step (once its heartbeat has found the loss, it
 commits and deletes nothing more); "stale" compares the record's time with
-the local clock, so hosts with skewed clocks need a ``timeout_s`` above the skew.
+the local clock, so hosts with skewed clocks need a ``timeout_s`` above the skew. Object stores
+have no such lock: a heartbeat whose read came just before a take-over's write can still
+overwrite it (a window of one storage round trip); the new owner then finds the loss at its
+own next heartbeat, and its saves fail with :class:`LeaseLostError`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -43,7 +51,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 
 from fsspec import AbstractFileSystem
@@ -234,10 +242,13 @@ class _Holding:
             raise self.lost
 
     def refresh(self) -> None:
-        """Rewrite the heartbeat if the record is still ours; else remember and raise the loss."""
-        self.confirm()
-        updated = Owner(**{**asdict(self.owner), "heartbeat": time.time()})
-        _overwrite(self.fs, self.path, updated.to_json())
+        """Rewrite the heartbeat if the record is still ours; else remember and raise the loss.
+        Read and rewrite under the record's lock: a take-over written in between would
+        otherwise be overwritten with this record, and the new owner displaced in turn."""
+        with _record_lock(self.fs, self.path):
+            self.confirm()
+            updated = Owner(**{**asdict(self.owner), "heartbeat": time.time()})
+            _overwrite(self.fs, self.path, updated.to_json())
         self.owner = updated
 
     def stop(self) -> None:
@@ -356,7 +367,12 @@ class OwnerLease:
         """(the new holding, None), or (None, the record of an owner whose heartbeat must be
         watched before it can be judged: on this host, in another PID namespace)."""
         mine = self._record()
-        for _ in range(3):  # another process may create or delete the record in between
+        with _record_lock(self.fs, self.path):
+            return self._acquire_locked(mine)
+
+    def _acquire_locked(self, mine: Owner) -> tuple[_Holding | None, Owner | None]:
+        """:meth:`_acquire_fresh` under the record's lock."""
+        for _ in range(3):  # without a lock another process may write the record in between
             current = _read(self.fs, self.path)
             if current is None:
                 try:
@@ -488,9 +504,10 @@ class OwnerLease:
         if holding.lost is not None:
             return
         try:
-            current = _read(self.fs, self.path)
-            if current is not None and current.lease_id == holding.owner.lease_id:
-                self.fs.rm_file(self.path)
+            with _record_lock(self.fs, self.path):  # not a take-over written in between
+                current = _read(self.fs, self.path)
+                if current is not None and current.lease_id == holding.owner.lease_id:
+                    self.fs.rm_file(self.path)
         except Exception as exc:  # a dead-owner record is taken over by the next job anyway
             log.warning("could not release the owner lease %s: %s", self.path, exc)
 
@@ -504,6 +521,43 @@ class OwnerLease:
 
 def _lease_path(root: str) -> str:
     return f"{root.rstrip('/')}/{LEASE_NAME}"
+
+
+_LOCK_SUFFIX = ".lock"
+"""The lock file beside a local record (``owner.json.lock``): empty, and left in place."""
+
+
+@contextlib.contextmanager
+def _record_lock(fs: AbstractFileSystem, path: str) -> Iterator[None]:
+    """Hold the record's lock while reading the record and writing what follows from it.
+
+    Every read-then-write of the record (a heartbeat, an acquisition, a take-over, a release)
+    runs under it, so none of them overwrites or deletes a record written between its read
+    and its write. Only local file systems have it: an exclusive ``flock`` of a lock file
+    beside the record (among processes, and among threads: each call opens the file anew).
+    Where ``flock`` is refused (some network file systems) and on object stores the record
+    is read and written without it (see the module's limits).
+    """
+    if not isinstance(fs, LocalFileSystem):
+        yield
+        return
+    try:
+        fd = os.open(path + _LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        log.warning("owner record %s: no lock file (%s); writing without the lock", path, exc)
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.debug("waiting for the lock of the owner record %s", path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:  # ENOLCK and the like: a file system without flock
+            log.warning("owner record %s: flock refused (%s); writing without it", path, exc)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _read(fs: AbstractFileSystem, path: str) -> Owner | None:

@@ -420,7 +420,7 @@ def test_a_new_record_is_never_seen_empty(root: Path, monkeypatch: pytest.Monkey
     with lease_of(root, job_id="me") as lease:
         assert seen_while_syncing and not seen_while_syncing[0]
         assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
-    assert sorted(p.name for p in root.iterdir()) == []  # no temporary file left
+    assert [p.name for p in root.iterdir()] == [LEASE_NAME + ".lock"]  # no temporary file
 
 
 def test_without_hard_links_the_record_is_still_created_once(
@@ -435,7 +435,7 @@ def test_without_hard_links_the_record_is_still_created_once(
     monkeypatch.setattr(lease_module.os, "link", no_links)
     with lease_of(root, job_id="me") as lease:
         assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
-        assert [p.name for p in root.iterdir()] == [LEASE_NAME]
+        assert sorted(p.name for p in root.iterdir()) == [LEASE_NAME, LEASE_NAME + ".lock"]
         with pytest.raises(FileExistsError):  # (another process would be refused on this)
             lease_module._create_only(LocalFileSystem(), str(root / LEASE_NAME), b"{}")
         assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
@@ -508,6 +508,84 @@ def test_heartbeat_thread_notices_a_take_over(root: Path) -> None:
             assert time.monotonic() < deadline, "the heartbeat never noticed the take-over"
             time.sleep(0.01)
     assert record(root)["job_id"] == "thief", "the loser deleted or overwrote the new record"
+
+
+class _TakeOverInTheMiddle:
+    """Fault injection for the read-then-write race: the first record write of ``victim``
+    (its heartbeat's, after its read) first lets ``thief`` take over on another thread, and
+    writes once the thief has either finished or waits for the record's lock."""
+
+    def __init__(self, thief: OwnerLease, monkeypatch: pytest.MonkeyPatch) -> None:
+        import ckptmgr.lease as lease_module
+
+        self.thief = thief
+        self.thief_waits = threading.Event()
+        self.errors: list[BaseException] = []
+        self.thread: threading.Thread | None = None
+        self._original = lease_module._overwrite
+        monkeypatch.setattr(lease_module, "_overwrite", self._overwrite)
+        seen = self.thief_waits
+
+        class WaitingSeen(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "waiting for the lock" in record.getMessage():
+                    seen.set()
+
+        self._logger = logging.getLogger("ckptmgr.lease")
+        self._handler, self._level = WaitingSeen(logging.DEBUG), self._logger.level
+        self._logger.addHandler(self._handler)
+        self._logger.setLevel(logging.DEBUG)
+
+    def _take_over(self) -> None:
+        try:
+            self.holding, _ = self.thief._acquire_fresh()  # internal: one process, one holding
+        except BaseException as exc:  # reported by the test
+            self.errors.append(exc)
+
+    def _overwrite(self, fs: object, path: str, data: bytes) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._take_over)
+            self.thread.start()
+            deadline = time.monotonic() + BOUND_S
+            while not self.thief_waits.wait(0.01) and self.thread.is_alive():
+                assert time.monotonic() < deadline, "the take-over neither ended nor waited"
+        self._original(fs, path, data)
+
+    def close(self) -> None:
+        self._logger.removeHandler(self._handler)
+        self._logger.setLevel(self._level)
+
+
+def test_a_heartbeat_never_overwrites_a_take_over_written_after_its_read(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A heartbeat reads the record, then rewrites it: a take-over written in between was
+    overwritten, so the new owner was displaced in turn (found only at its own next beat)."""
+    victim = lease_of(root, job_id="victim", heartbeat_interval_s=3600)
+    thief = lease_of(root, job_id="thief", take_over=True, heartbeat_interval_s=3600)
+    victim.acquire()
+    race = _TakeOverInTheMiddle(thief, monkeypatch)
+    try:
+        victim.refresh()  # its read comes first, the take-over waits for its write
+        assert race.thread is not None
+        race.thread.join(BOUND_S)
+        assert not race.thread.is_alive() and not race.errors, race.errors
+        assert record(root)["job_id"] == "thief", "the heartbeat overwrote the take-over"
+        assert race.thief_waits.is_set(), "the take-over never waited for the lock"
+        with pytest.raises(LeaseLostError, match="taken over by job 'thief'"):
+            victim.refresh()
+    finally:
+        race.close()
+        victim.release()
+        if race.thread is not None and not race.errors:
+            race.holding.stop()
+    assert record(root)["job_id"] == "thief", "the displaced owner's release deleted the record"
+
+
+def test_the_record_lock_is_a_file_beside_the_record(root: Path) -> None:
+    with lease_of(root, job_id="me"):
+        assert sorted(os.listdir(root)) == [LEASE_NAME, LEASE_NAME + ".lock"]
+    assert os.listdir(root) == [LEASE_NAME + ".lock"]  # the lock file stays: deleting it races
 
 
 def test_handles_in_one_process_share_the_lease(root: Path) -> None:
