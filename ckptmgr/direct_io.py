@@ -24,7 +24,7 @@ size, a multiple of the logical block size of common disks (512 or 4096 bytes)."
 BOUNCE_BYTES = 8 * 2**20
 """Size of a bounce buffer (a multiple of :data:`DIRECT_ALIGN`)."""
 
-_POOL_SIZE = 8  # buffers kept for reuse (a writer holds one, a reader two)
+_POOL_SIZE = 16  # buffers kept for reuse (a writer holds one, a reader up to four)
 _pool: list[BounceBuffer] = []
 _pool_lock = threading.Lock()
 
