@@ -156,13 +156,11 @@ class DirectReader:
             lines_up = address is not None and (address + done - position) % DIRECT_ALIGN == 0
             if lines_up and position % DIRECT_ALIGN == 0 and left >= DIRECT_ALIGN:
                 count = min(left - left % DIRECT_ALIGN, DIRECT_READ_BYTES)
-                got = self._pread_direct(piece[done : done + count], position)
-                if got is None:
-                    continue  # refused: from now on through the page cache
+                got = self._pread_direct_at_once(piece[done : done + count], position)
                 self.direct_bytes += got
                 done += got
-                if got < count:
-                    return done  # the end of the file
+                if got < count and self._direct_fd is not None:
+                    return done  # the end of the file (else refused: the page cache reads)
                 continue
             window = self._fill(position - position % DIRECT_ALIGN)
             if window is None:
@@ -235,15 +233,18 @@ class DirectReader:
                 break
             window = spare.pop() if spare else _Window(take_bounce_buffer())
             window.start, window.length = start, 0
-            if self._helper is None:
-                self._helper = ThreadPoolExecutor(
-                    READ_AHEAD_WINDOWS, thread_name_prefix="ckptmgr-read-ahead"
-                )
             memory = memoryview(window.buffer.memory)
-            window.ahead = self._helper.submit(_pread_all, fd, memory, start)
+            window.ahead = self._helper_pool().submit(_pread_all, fd, memory, start)
             self._windows.append(window)
         for window in spare:
             give_back_bounce_buffer(window.buffer)
+
+    def _helper_pool(self) -> ThreadPoolExecutor:
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(
+                READ_AHEAD_WINDOWS, thread_name_prefix="ckptmgr-read-ahead"
+            )
+        return self._helper
 
     def _settle_all(self) -> None:
         for window in self._windows:
@@ -279,6 +280,46 @@ class DirectReader:
             self._stop_direct()
             return None
 
+    def _pread_direct_at_once(self, data: memoryview, offset: int) -> int:
+        """Read aligned ``data`` at ``offset`` directly, split into up to ``1 +
+        READ_AHEAD_WINDOWS`` parts of at least a window each read at once (the first on this
+        thread, the others on the helpers): the disk serves several reads faster than one.
+        Returns the count read: short of ``data`` where the file ends, or where the
+        filesystem refused (direct reads are off then; the caller reads the rest). A part that
+        failed is read again on this thread, where its error is raised or handled."""
+        parts = max(1, min(1 + READ_AHEAD_WINDOWS, data.nbytes // BOUNCE_BYTES))
+        fd = self._direct_fd
+        assert fd is not None
+        step = _round_up(_round_up(data.nbytes, parts) // parts, DIRECT_ALIGN)
+        starts = list(range(0, data.nbytes, step))
+        helper = self._helper_pool() if len(starts) > 1 else None
+        futures = [
+            helper.submit(_pread_all, fd, data[start : start + step], offset + start)
+            for start in starts[1:]
+            if helper is not None
+        ]
+        counts: list[int | None] = []
+        try:
+            counts.append(_pread_all(fd, data[:step], offset))
+        except OSError:
+            counts.append(None)  # read again below
+        for future in futures:  # (all of them end before the descriptor may be closed)
+            try:
+                counts.append(future.result())
+            except OSError:
+                counts.append(None)
+        total = 0
+        for start, count in zip(starts, counts, strict=True):
+            wanted = min(step, data.nbytes - start)
+            if count is None:
+                count = self._pread_direct(data[start : start + wanted], offset + start)
+                if count is None:
+                    return total  # refused
+            total += count
+            if count < wanted:
+                break  # the end of the file
+        return total
+
     def _pread_buffered(self, data: memoryview, offset: int) -> int:
         done = 0
         while done < data.nbytes:
@@ -296,6 +337,11 @@ class DirectReader:
             os.close(fd)
         for window in self._windows:
             window.length = 0  # nothing more is served from them
+
+
+def _round_up(count: int, multiple: int) -> int:
+    """``count`` rounded up to a multiple of ``multiple``."""
+    return -(-count // multiple) * multiple
 
 
 def _pread_all(fd: int, data: memoryview, offset: int) -> int:

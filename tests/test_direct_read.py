@@ -151,6 +151,44 @@ def test_several_windows_are_read_ahead_at_once(
 
 
 @linux_only
+@pytest.mark.parametrize("ends_early", [False, True], ids=["whole-file", "file-ends-in-part-2"])
+def test_a_large_read_into_aligned_memory_is_split_into_reads_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ends_early: bool
+) -> None:
+    """Pinned pieces of a GPU restore line up with the file: up to DIRECT_READ_BYTES are read
+    straight into them in 1 + READ_AHEAD_WINDOWS parts at once (the helpers' parts wait here
+    until all have started), and a file that ends inside a part gives what there is."""
+    parts = 1 + READ_AHEAD_WINDOWS
+    size = BOUNCE_BYTES + 5 * DIRECT_ALIGN + 9 if ends_early else parts * 2 * BOUNCE_BYTES + 17
+    path, blob = _file(tmp_path, size)
+    reader, buffered = _reader(path)
+    all_started = threading.Barrier(READ_AHEAD_WINDOWS, timeout=BOUND_S)
+    helper_reads: list[int] = []
+    real_pread_all = direct_read._pread_all
+
+    def pread_all(fd: int, data: memoryview, offset: int) -> int:
+        if threading.current_thread().name.startswith("ckptmgr-read-ahead"):
+            helper_reads.append(offset)
+            if len(helper_reads) <= READ_AHEAD_WINDOWS and not ends_early:
+                all_started.wait()  # (BrokenBarrierError, where fewer are in flight)
+        return real_pread_all(fd, data, offset)
+
+    monkeypatch.setattr(direct_read, "_pread_all", pread_all)
+    try:
+        length = size if not ends_early else parts * 2 * BOUNCE_BYTES
+        target = _buffer(length, 0)
+        assert reader.read(byte_view(target), 0) == size
+        assert bytes(target.numpy()[:size]) == blob
+        assert sorted(helper_reads)[: parts - 1] == [k * 2 * BOUNCE_BYTES for k in range(1, parts)]
+        assert not all_started.broken
+        tail = 0 if ends_early else size % DIRECT_ALIGN  # (the last block, whole in target)
+        assert (reader.direct_bytes, reader.copied_bytes) == (size - tail, tail)
+    finally:
+        reader.close()
+        os.close(buffered)
+
+
+@linux_only
 def test_a_read_past_the_end_of_the_file_returns_what_there_is(tmp_path: Path) -> None:
     path, blob = _file(tmp_path, SIZE)
     reader, buffered = _reader(path)
