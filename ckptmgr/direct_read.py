@@ -11,20 +11,18 @@ Direct I/O wants the file offset, the length and the memory address aligned
 its file offset (pinned host pieces of a restore to a GPU, page-aligned buffers) its whole
 blocks are read straight into it. Other bytes (torch's CPU tensors start 64 bytes past a page)
 go through a window: :data:`~ckptmgr.direct_io.BOUNCE_BYTES` of the file read into a
-reused aligned buffer and copied out (``memmove``, GIL released), while the next window of a
-file read in order is already being read on a helper thread. Where the filesystem refuses
+reused aligned buffer and copied out (``memmove``, GIL released), while the next
+:data:`READ_AHEAD_WINDOWS` windows of a file read in order are already being read on helper
+threads. Where the filesystem refuses
 ``O_DIRECT`` (at ``open`` or at the first read) everything is read through the page cache.
 
-Measured on the benchmark machine (2 cores, ext4 on a virtual disk whose reads stall at times
-for a second or more): restores of 1 GiB in 64 tensors, direct and through the page cache in
-random order in one process, took medians of 0.65, 0.83 and 1.12 s against 2.00, 1.11 and
-1.77 s in three runs, and used 0.53-0.60 s of CPU against 0.80-1.31 s. But two runs of
-``bench_save.py`` (a) were even (0.62, 0.74 s against 0.56, 0.68 s), and restores of (b)
-(1.2 GB in 48 tensors of up to 64 MiB) were slower: 1.98 and 0.89 s against 1.10 and 0.57 s
-in ``bench_save.py``, 2.03 s against 1.76 s (windows of 64 MiB: 1.62 s) in a throwaway script,
-where the reads waited for the disk at about 0.6 GB/s, one window at a time, while the page
-cache's own read-ahead kept more in flight. Hence off by default (docs/benchmarks.md, "Direct
-reads").
+Measured on the benchmark machine (2 cores, ext4 on a virtual disk; docs/benchmarks.md, "Direct
+reads"): with one window read ahead the disk served about 0.6 GB/s and restores of the MLP +
+AdamW state (b) were slower than through the page cache, so direct reads were off by default.
+With three windows ahead, ``bench_save.py`` restores of 1 GiB in 64 tensors (a) took 0.48-0.69 s
+(12 rounds) against 0.54-2.82 s through the page cache, and of (b) 0.51-0.82 s against
+0.47-2.83 s (medians 0.74 and 0.62 s); the first restore of the process, what a restarting job
+does, 0.52-0.75 s against 1.70-2.83 s: on by default since.
 """
 
 from __future__ import annotations
@@ -45,12 +43,12 @@ from ckptmgr.direct_io import (
 )
 
 DIRECT_READS_VARIABLE = "CKPTMGR_DIRECT_READS"
-"""Environment variable that turns direct reads on when set to ``1`` (read at import)."""
+"""Environment variable that turns direct reads off when set to ``0`` (read at import)."""
 
-DIRECT_READS = os.environ.get(DIRECT_READS_VARIABLE, "0").strip() not in ("", "0")
-"""Read local data files with ``O_DIRECT`` where the filesystem takes it (Linux). Off by
-default (``CKPTMGR_DIRECT_READS=1`` turns it on): on the benchmark machine a restore of the
-MLP + AdamW state (b) took longer read directly than through the page cache (below)."""
+DIRECT_READS = os.environ.get(DIRECT_READS_VARIABLE, "1").strip() not in ("", "0")
+"""Read local data files with ``O_DIRECT`` where the filesystem takes it (Linux). On by
+default; ``CKPTMGR_DIRECT_READS=0`` reads them through the page cache (as a file system that
+refuses ``O_DIRECT`` is read anyway)."""
 
 READ_AHEAD_WINDOWS = 3
 """Windows of a file read in order that are read ahead, each on its own helper thread, while

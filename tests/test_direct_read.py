@@ -33,7 +33,7 @@ linux_only = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def _direct_reads_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Direct reads are off by default (CKPTMGR_DIRECT_READS=1 turns them on): on here."""
+    """Direct reads are on by default, but CKPTMGR_DIRECT_READS=0 may be set: on here."""
     monkeypatch.setattr(direct_read, "DIRECT_READS", True)
 
 
@@ -388,8 +388,10 @@ def test_a_restore_reads_data_files_past_the_page_cache_unless_turned_off(
         assert resident >= total // 2, f"only {resident} of {total} pages in the page cache"
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, False), ("0", False), ("1", True)])
-def test_direct_reads_are_off_unless_the_environment_turns_them_on(
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, True), ("0", False), ("1", True), ("", False)]
+)
+def test_direct_reads_are_on_unless_the_environment_turns_them_off(
     value: str | None, expected: bool
 ) -> None:
     environment = {k: v for k, v in os.environ.items() if k != direct_read.DIRECT_READS_VARIABLE}
