@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from ckptmgr.direct_io import (
     BOUNCE_BYTES,
@@ -298,10 +298,13 @@ class DirectReader:
         ]
         counts: list[int | None] = []
         try:
-            counts.append(_pread_all(fd, data[:step], offset))
-        except OSError:
-            counts.append(None)  # read again below
-        for future in futures:  # (all of them end before the descriptor may be closed)
+            try:
+                counts.append(_pread_all(fd, data[:step], offset))
+            except OSError:
+                counts.append(None)  # read again below
+        finally:
+            wait(futures)  # (all of them end before the descriptor may be closed)
+        for future in futures:
             try:
                 counts.append(future.result())
             except OSError:
