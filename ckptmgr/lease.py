@@ -28,8 +28,9 @@ conflicts with itself; ranks of one job share the lease because only rank 0 acqu
 Read-only use (listing, restoring, the command line) never touches the lease.
 
 On a local file system every read-then-write of the record (heartbeat, acquire, take-over,
-release) holds an exclusive ``flock`` of ``owner.json.lock`` beside it, so none of them
-overwrites or deletes a record written between its read and its write.
+release) holds an exclusive ``flock`` of the root's directory (on NFS, which locks only files
+open for writing, of ``owner.json.lock`` beside the record), so none of them overwrites or
+deletes a record written between its read and its write.
 
 Limits: the lease detects misconfiguration, it is no lock service. Between two heartbeats a
 writer that lost the lease can still commit one step (once its heartbeat has found the loss, it
@@ -524,7 +525,8 @@ def _lease_path(root: str) -> str:
 
 
 _LOCK_SUFFIX = ".lock"
-"""The lock file beside a local record (``owner.json.lock``): empty, and left in place."""
+"""The lock file beside a local record (``owner.json.lock``), where the root's directory cannot
+be locked (network file systems): empty, and left in place."""
 
 
 @contextlib.contextmanager
@@ -533,31 +535,53 @@ def _record_lock(fs: AbstractFileSystem, path: str) -> Iterator[None]:
 
     Every read-then-write of the record (a heartbeat, an acquisition, a take-over, a release)
     runs under it, so none of them overwrites or deletes a record written between its read
-    and its write. Only local file systems have it: an exclusive ``flock`` of a lock file
-    beside the record (among processes, and among threads: each call opens the file anew).
-    Where ``flock`` is refused (some network file systems) and on object stores the record
-    is read and written without it (see the module's limits).
+    and its write. Only local file systems have it: an exclusive ``flock`` of the root's
+    directory, or where that is refused (NFS locks only files open for writing) of a lock
+    file beside the record; among processes, and among threads (each call opens anew). Where
+    neither can be locked, and on object stores, the record is read and written without it
+    (see the module's limits).
     """
     if not isinstance(fs, LocalFileSystem):
         yield
         return
+    fd = _lock_record(path)
     try:
-        fd = os.open(path + _LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        log.warning("owner record %s: no lock file (%s); writing without the lock", path, exc)
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.debug("waiting for the lock of the owner record %s", path)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as exc:  # ENOLCK and the like: a file system without flock
-            log.warning("owner record %s: flock refused (%s); writing without it", path, exc)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _lock_record(path: str) -> int | None:
+    """A descriptor holding the record's lock (see :func:`_record_lock`), None for none."""
+    directory = os.path.dirname(path) or "."
+    refusals: list[str] = []
+    for target, flags in (
+        (directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC),
+        (path + _LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC),
+    ):
+        try:
+            fd = os.open(target, flags, 0o644)
+        except OSError as exc:
+            refusals.append(f"{target}: {exc}")
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.debug("waiting for the lock of the owner record %s", path)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:  # EBADF on NFS for a directory, ENOLCK, ...
+            os.close(fd)
+            refusals.append(f"{target}: {exc}")
+            continue
+        return fd
+    log.warning(
+        "owner record %s: no lock could be had (%s); reading and writing it without one",
+        path,
+        "; ".join(refusals),
+    )
+    return None
 
 
 def _read(fs: AbstractFileSystem, path: str) -> Owner | None:

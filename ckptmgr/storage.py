@@ -5,7 +5,8 @@ Layout under the root URL::
     step_000000001200/          one committed step (DCP files, plain values, commit.json)
     .tmp-step_000000001200-<id>/  a step being written on a local file system
     .deleting-step_...-<id>/      a step being deleted on a local file system
-    owner.json, owner.json.lock   the writing job's lease and its lock (see ckptmgr.lease)
+    owner.json                    the writing job's lease (ckptmgr.lease; and owner.json.lock
+                                  beside it on NFS)
 
 A step is committed exactly when ``step_<N>/commit.json`` exists. A committed step that was
 found damaged is *quarantined*: ``step_<N>/quarantined.json`` says why, and the step is no longer

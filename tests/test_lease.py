@@ -8,6 +8,7 @@ they cannot be produced on one machine in reasonable time.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -420,7 +421,7 @@ def test_a_new_record_is_never_seen_empty(root: Path, monkeypatch: pytest.Monkey
     with lease_of(root, job_id="me") as lease:
         assert seen_while_syncing and not seen_while_syncing[0]
         assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
-    assert [p.name for p in root.iterdir()] == [LEASE_NAME + ".lock"]  # no temporary file
+    assert sorted(p.name for p in root.iterdir()) == []  # no temporary file left
 
 
 def test_without_hard_links_the_record_is_still_created_once(
@@ -435,7 +436,7 @@ def test_without_hard_links_the_record_is_still_created_once(
     monkeypatch.setattr(lease_module.os, "link", no_links)
     with lease_of(root, job_id="me") as lease:
         assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
-        assert sorted(p.name for p in root.iterdir()) == [LEASE_NAME, LEASE_NAME + ".lock"]
+        assert [p.name for p in root.iterdir()] == [LEASE_NAME]
         with pytest.raises(FileExistsError):  # (another process would be refused on this)
             lease_module._create_only(LocalFileSystem(), str(root / LEASE_NAME), b"{}")
         assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
@@ -556,11 +557,32 @@ class _TakeOverInTheMiddle:
         self._logger.setLevel(self._level)
 
 
+def _refuse_flock_of_directories(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: ``flock`` of a directory fails with EBADF, as on NFS (which locks only
+    files open for writing)."""
+    import stat
+
+    import ckptmgr.lease as lease_module
+
+    real_flock = lease_module.fcntl.flock
+
+    def flock(fd: int, operation: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(lease_module.fcntl, "flock", flock)
+
+
+@pytest.mark.parametrize("lock", ["directory", "lock-file"])
 def test_a_heartbeat_never_overwrites_a_take_over_written_after_its_read(
-    root: Path, monkeypatch: pytest.MonkeyPatch
+    root: Path, monkeypatch: pytest.MonkeyPatch, lock: str
 ) -> None:
     """A heartbeat reads the record, then rewrites it: a take-over written in between was
-    overwritten, so the new owner was displaced in turn (found only at its own next beat)."""
+    overwritten, so the new owner was displaced in turn (found only at its own next beat).
+    The lock is the root directory's, or (NFS) a file beside the record."""
+    if lock == "lock-file":
+        _refuse_flock_of_directories(monkeypatch)
     victim = lease_of(root, job_id="victim", heartbeat_interval_s=3600)
     thief = lease_of(root, job_id="thief", take_over=True, heartbeat_interval_s=3600)
     victim.acquire()
@@ -580,12 +602,24 @@ def test_a_heartbeat_never_overwrites_a_take_over_written_after_its_read(
         if race.thread is not None and not race.errors:
             race.holding.stop()
     assert record(root)["job_id"] == "thief", "the displaced owner's release deleted the record"
+    expected = [LEASE_NAME] + ([LEASE_NAME + ".lock"] if lock == "lock-file" else [])
+    assert sorted(os.listdir(root)) == expected
 
 
-def test_the_record_lock_is_a_file_beside_the_record(root: Path) -> None:
-    with lease_of(root, job_id="me"):
-        assert sorted(os.listdir(root)) == [LEASE_NAME, LEASE_NAME + ".lock"]
-    assert os.listdir(root) == [LEASE_NAME + ".lock"]  # the lock file stays: deleting it races
+def test_where_nothing_can_be_locked_the_lease_still_works_and_says_so(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import ckptmgr.lease as lease_module
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(lease_module.fcntl, "flock", no_flock)
+    with caplog.at_level(logging.WARNING, logger="ckptmgr.lease"):
+        with lease_of(root, job_id="me") as lease:
+            assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
+    assert not (root / LEASE_NAME).exists()
+    assert any("no lock could be had" in r.getMessage() for r in caplog.records)
 
 
 def test_handles_in_one_process_share_the_lease(root: Path) -> None:
