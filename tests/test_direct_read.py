@@ -107,6 +107,25 @@ def test_reads_at_any_offset_into_any_address_give_the_file_bytes(
 BOUND_S = 60.0
 
 
+def _hold_helper_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Barrier, list[int]]:
+    """Fault injection: the first READ_AHEAD_WINDOWS reads on the reader's helper threads wait
+    until all of them have started (the barrier breaks after BOUND_S where fewer are ever in
+    flight at once). Returns the barrier and the offsets the helpers read, in order."""
+    all_started = threading.Barrier(READ_AHEAD_WINDOWS, timeout=BOUND_S)
+    offsets: list[int] = []
+    real_pread_all = direct_read._pread_all
+
+    def pread_all(fd: int, data: memoryview, offset: int) -> int:
+        if threading.current_thread().name.startswith("ckptmgr-read-ahead"):
+            offsets.append(offset)
+            if len(offsets) <= READ_AHEAD_WINDOWS:
+                all_started.wait()  # (BrokenBarrierError, where fewer are in flight)
+        return real_pread_all(fd, data, offset)
+
+    monkeypatch.setattr(direct_read, "_pread_all", pread_all)
+    return all_started, offsets
+
+
 @linux_only
 def test_several_windows_are_read_ahead_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -118,18 +137,7 @@ def test_several_windows_are_read_ahead_at_once(
     size = windows * BOUNCE_BYTES + 3 * DIRECT_ALIGN + 17
     path, blob = _file(tmp_path, size)
     reader, buffered = _reader(path)
-    all_started = threading.Barrier(READ_AHEAD_WINDOWS, timeout=BOUND_S)
-    ahead: list[int] = []
-    real_pread_all = direct_read._pread_all
-
-    def pread_all(fd: int, data: memoryview, offset: int) -> int:
-        if threading.current_thread().name.startswith("ckptmgr-read-ahead"):
-            ahead.append(offset)
-            if len(ahead) <= READ_AHEAD_WINDOWS:
-                all_started.wait()  # (BrokenBarrierError, where fewer are in flight)
-        return real_pread_all(fd, data, offset)
-
-    monkeypatch.setattr(direct_read, "_pread_all", pread_all)
+    all_started, ahead = _hold_helper_reads(monkeypatch)
     try:
         reads = [(0, 100)]  # the first window here, the next READ_AHEAD_WINDOWS ahead
         reads += [(100 + k * 3_000_000, 3_000_000) for k in range(9)]  # in order, in steps
@@ -162,18 +170,7 @@ def test_a_large_read_into_aligned_memory_is_split_into_reads_at_once(
     size = BOUNCE_BYTES + 5 * DIRECT_ALIGN + 9 if ends_early else parts * 2 * BOUNCE_BYTES + 17
     path, blob = _file(tmp_path, size)
     reader, buffered = _reader(path)
-    all_started = threading.Barrier(READ_AHEAD_WINDOWS, timeout=BOUND_S)
-    helper_reads: list[int] = []
-    real_pread_all = direct_read._pread_all
-
-    def pread_all(fd: int, data: memoryview, offset: int) -> int:
-        if threading.current_thread().name.startswith("ckptmgr-read-ahead"):
-            helper_reads.append(offset)
-            if len(helper_reads) <= READ_AHEAD_WINDOWS and not ends_early:
-                all_started.wait()  # (BrokenBarrierError, where fewer are in flight)
-        return real_pread_all(fd, data, offset)
-
-    monkeypatch.setattr(direct_read, "_pread_all", pread_all)
+    all_started, helper_reads = _hold_helper_reads(monkeypatch)
     try:
         length = size if not ends_early else parts * 2 * BOUNCE_BYTES
         target = _buffer(length, 0)
