@@ -44,7 +44,6 @@ own next heartbeat, and its saves fail with :class:`LeaseLostError`.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -59,6 +58,11 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ckptmgr.errors import CheckpointError
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no flock; the record is read and written without a lock)
+    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 
@@ -524,6 +528,7 @@ def _lease_path(root: str) -> str:
     return f"{root.rstrip('/')}/{LEASE_NAME}"
 
 
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _LOCK_SUFFIX = ".lock"
 """The lock file beside a local record (``owner.json.lock``), where the root's directory cannot
 be locked (network file systems): empty, and left in place."""
@@ -554,11 +559,13 @@ def _record_lock(fs: AbstractFileSystem, path: str) -> Iterator[None]:
 
 def _lock_record(path: str) -> int | None:
     """A descriptor holding the record's lock (see :func:`_record_lock`), None for none."""
+    if fcntl is None:
+        return None
     directory = os.path.dirname(path) or "."
     refusals: list[str] = []
     for target, flags in (
-        (directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC),
-        (path + _LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC),
+        (directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC),
+        (path + _LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | _CLOEXEC),
     ):
         try:
             fd = os.open(target, flags, 0o644)

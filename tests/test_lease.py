@@ -622,6 +622,21 @@ def test_where_nothing_can_be_locked_the_lease_still_works_and_says_so(
     assert any("no lock could be had" in r.getMessage() for r in caplog.records)
 
 
+def test_without_fcntl_the_lease_works_unlocked(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Windows has no ``fcntl``: importing ckptmgr must not fail there, and the lease works
+    without the lock (quietly: nothing could have it)."""
+    import ckptmgr.lease as lease_module
+
+    monkeypatch.setattr(lease_module, "fcntl", None)
+    with caplog.at_level(logging.WARNING, logger="ckptmgr.lease"):
+        with lease_of(root, job_id="me") as lease:
+            assert record(root)["lease_id"] == lease.owner.lease_id  # type: ignore[union-attr]
+    assert not (root / LEASE_NAME).exists()
+    assert not caplog.records
+
+
 def test_handles_in_one_process_share_the_lease(root: Path) -> None:
     first = lease_of(root, job_id="job-A")
     second = lease_of(root, job_id="job-A")
