@@ -17,6 +17,10 @@ run. So after each save's job has ended, and as many steps again to let the kern
 loop runs as many steps once more with nothing running (the control), and the "paired" loss is
 the save's steps' excess less the control's: the same step count, measured a moment apart.
 
+``--kept N`` first commits N steps of a tiny state to the root and keeps every step (the default
+retention, ``max_to_keep=0``): the root of a long run. The listing after each commit then covers
+N + 1 steps, and any per-step work in it shows as a loss that grows with N.
+
 ``--pin`` (Linux, two CPUs or more) runs the loop alone on CPU 0 and everything else (ckptmgr's
 threads, the checkpoint daemon in process mode) on CPU 1: what remains of the loss then is not
 competition for a core.
@@ -25,6 +29,7 @@ Usage::
 
     python benchmarks/bench_loop_steps.py --workload c --mode thread --saves 60
     python benchmarks/bench_loop_steps.py --workload c --mode process --saves 60 --pin
+    python benchmarks/bench_loop_steps.py --workload c --mode process --saves 60 --kept 1000
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ def main() -> None:
     parser.add_argument("--loop", choices=["python", "compute"], default="python")
     parser.add_argument("--saves", type=int, default=60)
     parser.add_argument("--pin", action="store_true", help="the loop alone on CPU 0")
+    parser.add_argument(
+        "--kept", type=int, default=0, help="steps committed before, all kept (max_to_keep=0)"
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: a temp directory)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
@@ -90,11 +98,20 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-loop-", dir=args.dir))
     loop = Loop(args.loop)
     threads = torch.get_num_threads()  # for the copy; the loop runs on one, as in bench_save
+    if args.kept:  # the root of a long run: steps 0 .. kept - 1, every one kept
+        with CheckpointManager(root, 1, chkpt_on_preemption=False) as earlier:
+            for step in range(args.kept):
+                earlier.save(step, {"w": torch.zeros(4)})
+    first_step = args.kept
     manager = CheckpointManager(
-        root, 1, max_to_keep=1, chkpt_on_preemption=False, async_mode=args.mode
+        root,
+        1,
+        max_to_keep=0 if args.kept else 1,
+        chkpt_on_preemption=False,
+        async_mode=args.mode,
     )
     try:
-        manager.save_async(0, work.state)  # allocates the staging, starts thread and daemon
+        manager.save_async(first_step, work.state)  # allocates the staging, starts the daemon
         manager.join()
         children = pin_loop_alone(threading.get_native_id()) if args.pin else []
         torch.set_num_threads(1)
@@ -110,7 +127,7 @@ def main() -> None:
         for step in range(1, args.saves + 1):
             torch.set_num_threads(threads)
             started = time.perf_counter()
-            manager.save_async(step, work.state)
+            manager.save_async(first_step + step, work.state)
             returned = time.perf_counter()
             blocking.append(returned - started)
             torch.set_num_threads(1)
@@ -156,6 +173,7 @@ def main() -> None:
         "mode": args.mode,
         "loop": args.loop,
         "pinned": args.pin,
+        "kept_before": args.kept,
         "children_pinned": len(children),
         "saves": saves,
         "baseline_step_ms": baseline * 1e3,
@@ -178,7 +196,8 @@ def main() -> None:
         },
     }
     print(
-        f"{work.name}, {args.mode} mode, {args.loop} loop{', pinned' if args.pin else ''}: "
+        f"{work.name}, {args.mode} mode, {args.loop} loop{', pinned' if args.pin else ''}"
+        f"{f', {args.kept} steps kept before' if args.kept else ''}: "
         f"baseline step {result['baseline_step_ms']:.3f} ms "
         f"({result['baseline_step_after_ms']:.3f} ms after); blocking {result['blocking_ms']:.1f} "
         f"ms; {result['steps_per_save']:.1f} steps per save; lost "
