@@ -86,9 +86,10 @@ def match(directory: str, pattern: str) -> list[str] | None:
         if code != 0:
             return None
         raw_prefix = os.fsencode(prefix)
+        start = len(raw_prefix)
+        encoding, errors = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
         paths = found.gl_pathv[: found.gl_pathc]
-        if not all(path is not None and path.startswith(raw_prefix) for path in paths):
-            return None
-        return [os.fsdecode(path[len(raw_prefix) :]) for path in paths]
+        relative = [p[start:].decode(encoding, errors) for p in paths if p.startswith(raw_prefix)]
+        return relative if len(relative) == len(paths) else None
     finally:
         globfree(found)

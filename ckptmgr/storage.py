@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STEP_DIR_PATTERN = re.compile(r"^step_(\d{12,})$")
+_RECORD_IN_STEP_DIR = re.compile(r"step_(\d{12,})/" + re.escape(RECORD_NAME))
+_MARKER_IN_STEP_DIR = re.compile(r"step_(\d{12,})/" + re.escape(QUARANTINE_NAME))
+"""A step directory's record and quarantine marker, as a path relative to the root."""
 QUARANTINED_ASIDE_PATTERN = re.compile(r"^step_(\d{12,})\.quarantined-(\d+)$")
 TMP_PREFIX = ".tmp-"
 DELETING_PREFIX = ".deleting-"
@@ -260,12 +263,12 @@ class CheckpointStorage:
         if markers is None:
             return None
 
-        def steps(paths: list[str]) -> set[int]:
-            found = (parse_step_dir_name(path.split("/", 1)[0]) for path in paths)
-            return {step for step in found if step is not None}
+        def steps(paths: list[str], in_step_dir: re.Pattern[str]) -> set[int]:
+            found = (in_step_dir.fullmatch(path) for path in paths)
+            return {int(match.group(1)) for match in found if match is not None}
 
-        committed = steps(records)
-        return committed, steps(markers) & committed
+        committed = steps(records, _RECORD_IN_STEP_DIR)
+        return committed, steps(markers, _MARKER_IN_STEP_DIR) & committed
 
     def _find(self, path: str) -> dict[str, dict[str, Any]]:
         """Every file under ``path`` (relative path -> info), listed fresh, with retries."""
