@@ -813,7 +813,8 @@ class CheckpointManager:
             if self._lease is not None:  # a lease found lost while writing: commit nothing
                 self._lease.check()
             self._storage.commit(request.step, write_dir, record)
-            self._records.remember(record)
+            if self._policy is not None:  # (without one, no plan reads the records)
+                self._records.remember(record)
         except Exception as exc:
             log.error("commit of step %d failed", request.step, exc_info=exc)
             outcome = _SaveOutcome(committed=False, error=f"commit failed: {exc!r}", deleted=[])
@@ -829,6 +830,8 @@ class CheckpointManager:
 
     def _plan_retention(self, just_committed: int) -> tuple[list[int], list[int]]:
         """(committed steps in storage, steps retention deletes) after a commit, on rank 0."""
+        if self._policy is None:  # every step is kept (the default): the listing is all there is
+            return self._storage.committed_steps(), []
         with self._lock:
             being_written = self._in_flight | {just_committed}
         plan = pruning.plan(self._policy, self._records, being_written)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from ckptmgr import (
     SaveEveryNSeconds,
     SaveFirstStep,
 )
+from ckptmgr.storage import CheckpointStorage
 
 
 def _state(value: float = 1.0) -> dict[str, object]:
@@ -107,6 +109,28 @@ def test_steps_deleted_by_another_process_leave_the_listing_at_the_next_commit(
         assert writer.all_steps() == [1, 2]  # not re-read until the writer's next commit
         writer.save(4, _state())
         assert writer.all_steps() == [3, 4]
+
+
+def test_without_a_policy_each_commit_lists_storage_and_reads_no_record(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every step kept (the default), a commit only lists: no record is read, however many
+    steps there are, and steps others committed or deleted still show at the next commit."""
+    with _manager(ckpt_dir) as writer:
+        writer.save(1, _state())
+        writer.save(2, _state())
+        with _manager(ckpt_dir) as other:
+            other.save(3, _state())
+        shutil.rmtree(ckpt_dir / "step_000000000001")
+
+        def no_read(self: CheckpointStorage, step: int) -> object:
+            raise AssertionError(f"the record of step {step} was read")
+
+        monkeypatch.setattr(CheckpointStorage, "read_record", no_read)
+        writer.save(4, _state())
+        writer.save_async(5, _state())
+        writer.join()
+        assert writer.all_steps() == [2, 3, 4, 5]
 
 
 def test_dry_run_deletes_nothing_and_logs_what_it_would_delete(
