@@ -830,14 +830,12 @@ class CheckpointManager:
 
     def _plan_retention(self, just_committed: int) -> tuple[list[int], list[int]]:
         """(committed steps in storage, steps retention deletes) after a commit, on rank 0."""
-        if self._policy is None:  # every step is kept (the default): the listing is all there is
-            return self._storage.committed_steps(), []
         with self._lock:
             being_written = self._in_flight | {just_committed}
-        plan = pruning.plan(self._policy, self._records, being_written)
+        listed, doomed = pruning.list_and_plan_deletions(self._policy, self._records, being_written)
         dry_run = self.config.retention_dry_run
-        pruning.log_plan(plan, dry_run=dry_run)
-        return plan.listed, [] if dry_run else plan.doomed
+        pruning.log_deletions(doomed, dry_run=dry_run)
+        return listed, [] if dry_run else [decision.step for decision in doomed]
 
     def explain_retention(self) -> list[retention.RetentionDecision]:
         """What retention would decide now for every committed step, and why.

@@ -17,6 +17,7 @@ from ckptmgr.retention import (
     CheckpointInfo,
     RetentionDecision,
     RetentionPolicy,
+    plan_deletions,
     plan_retention,
 )
 from ckptmgr.storage import CheckpointStorage
@@ -91,6 +92,20 @@ def plan(
     return RetentionPlan(listed, decisions)
 
 
+def list_and_plan_deletions(
+    policy: RetentionPolicy | None,
+    reader: RecordReader,
+    being_written: Iterable[int] = (),
+) -> tuple[list[int], list[RetentionDecision]]:
+    """What :func:`plan` lists and the decisions of it that delete, without explaining the steps
+    that are kept (what runs after every commit). Without a policy only the listing is made."""
+    listed = reader.storage.committed_steps()
+    if policy is None:
+        return listed, []
+    infos, _ = reader.infos(listed)  # a step whose record cannot be read is kept
+    return listed, plan_deletions(policy, infos, being_written)
+
+
 def delete_steps(
     storage: CheckpointStorage,
     steps: Iterable[int],
@@ -124,7 +139,12 @@ def delete_steps(
 
 def log_plan(plan_: RetentionPlan, *, dry_run: bool) -> None:
     """Log what a plan deletes (or would delete, in a dry run), with the reasons."""
-    for decision in plan_.decisions:
+    log_deletions(plan_.decisions, dry_run=dry_run)
+
+
+def log_deletions(decisions: Iterable[RetentionDecision], *, dry_run: bool) -> None:
+    """Log the decisions that delete (or would, in a dry run), with the reasons."""
+    for decision in decisions:
         if decision.kept:
             continue
         verb = "would delete" if dry_run else "deleting"

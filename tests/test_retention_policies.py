@@ -42,6 +42,7 @@ from ckptmgr.retention import (
     RetentionPolicy,
     combine,
     parse_policy,
+    plan_deletions,
     plan_retention,
     steps_to_delete,
 )
@@ -733,6 +734,25 @@ def test_plan_keeps_the_union_plus_protections(
     for decision in decisions:
         assert (decision.reasons[0] == "no policy keeps it") == (not decision.kept)
     assert plan_retention(compose(policies), checkpoints, in_flight) == decisions
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    checkpoints=checkpoint_lists(),
+    policies=POLICY_LISTS,
+    in_flight=st.sets(STEPS),
+    no_policy=st.booleans(),
+)
+def test_plan_deletions_is_the_plan_less_its_kept_steps(
+    checkpoints: list[CheckpointInfo],
+    policies: list[RetentionPolicy],
+    in_flight: set[int],
+    no_policy: bool,
+) -> None:
+    """What runs after every commit decides exactly as the full plan, reasons included."""
+    policy = None if no_policy else combine(policies)
+    full = plan_retention(policy, checkpoints, in_flight)
+    assert plan_deletions(policy, checkpoints, in_flight) == [d for d in full if not d.kept]
 
 
 @settings(max_examples=200, deadline=None)
