@@ -19,7 +19,8 @@ the save's steps' excess less the control's: the same step count, measured a mom
 
 ``--kept N`` first commits N steps of a tiny state to the root and keeps every step (the default
 retention, ``max_to_keep=0``): the root of a long run. The listing after each commit then covers
-N + 1 steps, and any per-step work in it shows as a loss that grows with N.
+N + 1 steps, and any per-step work in it shows as a loss that grows with N. ``--max-to-keep K``
+sets retention instead (say 5000: a policy that plans over every step and keeps them all).
 
 ``--pin`` (Linux, two CPUs or more) runs the loop alone on CPU 0 and everything else (ckptmgr's
 threads, the checkpoint daemon in process mode) on CPU 1: what remains of the loss then is not
@@ -86,6 +87,9 @@ def main() -> None:
     parser.add_argument(
         "--kept", type=int, default=0, help="steps committed before, all kept (max_to_keep=0)"
     )
+    parser.add_argument(
+        "--max-to-keep", type=int, default=None, help="default: 1, or 0 (keep all) with --kept"
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: a temp directory)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
@@ -106,7 +110,7 @@ def main() -> None:
     manager = CheckpointManager(
         root,
         1,
-        max_to_keep=0 if args.kept else 1,
+        max_to_keep=args.max_to_keep if args.max_to_keep is not None else 0 if args.kept else 1,
         chkpt_on_preemption=False,
         async_mode=args.mode,
     )
@@ -174,6 +178,7 @@ def main() -> None:
         "loop": args.loop,
         "pinned": args.pin,
         "kept_before": args.kept,
+        "max_to_keep": manager.config.max_to_keep,
         "children_pinned": len(children),
         "saves": saves,
         "baseline_step_ms": baseline * 1e3,
