@@ -291,8 +291,7 @@ def plan_deletions(
     if policy is None or not checkpoints:
         return []
     parts = _members(policy)
-    kept: set[int] = set(being_written)
-    kept.add(_newest(checkpoints))
+    kept: set[int] = {*being_written, max(checkpoints, key=_commit_order).step}
     for part in parts:
         kept.update(part.keep(checkpoints))
     doomed = sorted((c for c in checkpoints if c.step not in kept), key=_step_of)
@@ -301,9 +300,11 @@ def plan_deletions(
 
 def _newest(checkpoints: Sequence[CheckpointInfo]) -> int | None:
     """The step committed most recently (the highest step among equal times)."""
-    if not checkpoints:
-        return None
-    return max(checkpoints, key=lambda c: (c.committed_at, c.step)).step
+    return max(checkpoints, key=_commit_order).step if checkpoints else None
+
+
+def _commit_order(checkpoint: CheckpointInfo) -> tuple[_dt.datetime, int]:
+    return checkpoint.committed_at, checkpoint.step
 
 
 def _step_of(checkpoint: CheckpointInfo) -> int:
