@@ -65,11 +65,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-STEP_DIR_PATTERN = re.compile(r"^step_(\d{12,})$")
-_RECORD_IN_STEP_DIR = re.compile(r"step_(\d{12,})/" + re.escape(RECORD_NAME))
-_MARKER_IN_STEP_DIR = re.compile(r"step_(\d{12,})/" + re.escape(QUARANTINE_NAME))
+_STEP_DIR = r"step_(\d{12,})"  # a step directory's name; the group is its step
+STEP_DIR_PATTERN = re.compile(f"^{_STEP_DIR}$")
+_RECORD_IN_STEP_DIR = re.compile(f"{_STEP_DIR}/{re.escape(RECORD_NAME)}")
+_MARKER_IN_STEP_DIR = re.compile(f"{_STEP_DIR}/{re.escape(QUARANTINE_NAME)}")
 """A step directory's record and quarantine marker, as a path relative to the root."""
-QUARANTINED_ASIDE_PATTERN = re.compile(r"^step_(\d{12,})\.quarantined-(\d+)$")
+QUARANTINED_ASIDE_PATTERN = re.compile(rf"^{_STEP_DIR}\.quarantined-(\d+)$")
 TMP_PREFIX = ".tmp-"
 DELETING_PREFIX = ".deleting-"
 OBJECT_STORE_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "oss"})
