@@ -22,6 +22,13 @@ retention, ``max_to_keep=0``): the root of a long run. The listing after each co
 N + 1 steps, and any per-step work in it shows as a loss that grows with N. ``--max-to-keep K``
 sets retention instead (say 5000: a policy that plans over every step and keeps them all).
 
+``--mode floor-thread`` and ``--mode floor-process`` measure the floors the same way: each save
+copies the state into one preallocated buffer (as the staging does), then a background thread of
+this process, or a child process at the daemon's nice value (which shares no GIL with the loop),
+writes those bytes to a new file, fsyncs it and deletes the previous save's file. What the loop
+loses beside the process floor is the cost of the I/O alone (CPU, memory bandwidth, the kernel's
+writeback and journal), which no checkpointer that writes the state can avoid.
+
 ``--pin`` (Linux, two CPUs or more) runs the loop alone on CPU 0 and everything else (ckptmgr's
 threads, the checkpoint daemon in process mode) on CPU 1: what remains of the loss then is not
 competition for a core.
@@ -31,12 +38,15 @@ Usage::
     python benchmarks/bench_loop_steps.py --workload c --mode thread --saves 60
     python benchmarks/bench_loop_steps.py --workload c --mode process --saves 60 --pin
     python benchmarks/bench_loop_steps.py --workload c --mode process --saves 60 --kept 1000
+    python benchmarks/bench_loop_steps.py --workload c --mode floor-process --saves 60
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import statistics
@@ -49,9 +59,125 @@ import torch
 from bench_save import Loop, workload_a, workload_c, writer_idle  # this script's folder
 
 from ckptmgr import CheckpointManager
+from ckptmgr.niceness import background_niceness
 
 _LIMIT_S = 600.0  # bound on one background job
 _SLICE_S = 0.005
+
+
+class ManagerSaver:
+    """ckptmgr's ``save_async`` of ``state``, in the shape of the floors below."""
+
+    def __init__(self, manager: CheckpointManager, state: dict[str, torch.Tensor]) -> None:
+        self.manager = manager
+        self._state = state
+
+    def save_async(self, step: int) -> None:
+        self.manager.save_async(step, self._state)
+
+    def idle(self) -> bool:
+        return writer_idle(self.manager)
+
+    def join(self) -> None:
+        self.manager.join()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _write_and_fsync(blob: torch.Tensor, path: Path, previous: Path | None) -> None:
+    """The floor's write: ``blob``'s bytes to a new file at ``path``, fsynced (the GIL released
+    in each call), then ``previous`` deleted."""
+    view = memoryview(blob.numpy()).cast("B")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if previous is not None:
+        previous.unlink()
+
+
+def _floor_process(connection: multiprocessing.connection.Connection, blob: torch.Tensor) -> None:
+    """The process floor's child: writes ``blob`` to each path it is sent, answers when done."""
+    niceness = background_niceness()
+    if niceness is not None:
+        os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    previous: Path | None = None
+    while (path := connection.recv()) is not None:
+        _write_and_fsync(blob, path, previous)
+        previous = path
+        connection.send(True)
+    if previous is not None:
+        previous.unlink()
+
+
+class RawWriteFloor:
+    """The floors: the state copied into one preallocated buffer, whose bytes a background
+    thread (``in_process=False``) or a child process writes to a new file and fsyncs."""
+
+    def __init__(self, work_tensors: list[torch.Tensor], root: Path, in_process: bool) -> None:
+        self._sources = [t.reshape(-1) for t in work_tensors]
+        nbytes = sum(t.numel() * t.element_size() for t in work_tensors)
+        self._blob = torch.empty(nbytes, dtype=torch.uint8)
+        if in_process:
+            self._blob.share_memory_()
+        self._blob.fill_(1)  # touched: the copies into it pay no page faults
+        self._flat = self._blob.view(work_tensors[0].dtype)
+        self._root = root
+        self._previous: Path | None = None
+        self._thread: threading.Thread | None = None
+        self._child: multiprocessing.process.BaseProcess | None = None
+        self._connection: multiprocessing.connection.Connection | None = None
+        self._pending = False
+        if in_process:
+            context = multiprocessing.get_context("spawn")
+            self._connection, theirs = context.Pipe()
+            self._child = context.Process(target=_floor_process, args=(theirs, self._blob))
+            self._child.start()
+            theirs.close()
+
+    def save_async(self, step: int) -> None:
+        torch.cat(self._sources, out=self._flat)
+        path = self._root / f"floor-{step}.bin"
+        if self._connection is not None:
+            self._connection.send(path)
+            self._pending = True
+        else:
+            self._thread = threading.Thread(
+                target=_write_and_fsync, args=(self._blob, path, self._previous)
+            )
+            self._thread.start()
+        self._previous = path
+
+    def idle(self) -> bool:
+        if self._connection is not None:
+            if self._pending and self._connection.poll():
+                self._connection.recv()
+                self._pending = False
+            return not self._pending
+        return self._thread is None or not self._thread.is_alive()
+
+    def join(self) -> None:
+        if self._connection is not None:
+            if self._pending and not self._connection.poll(_LIMIT_S):
+                raise TimeoutError(f"the floor's write took over {_LIMIT_S} s")
+            self.idle()
+        elif self._thread is not None:
+            self._thread.join(_LIMIT_S)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the floor's write took over {_LIMIT_S} s")
+
+    def close(self) -> None:
+        if self._connection is not None and self._child is not None:
+            self._connection.send(None)
+            self._child.join(_LIMIT_S)
+            self._connection.close()
+        elif self._previous is not None:
+            self.join()
+            self._previous.unlink(missing_ok=True)
 
 
 def pin_loop_alone(loop_thread: int) -> list[int]:
@@ -80,7 +206,9 @@ def main() -> None:
     parser.add_argument("--workload", choices=["a", "c"], default="c")
     parser.add_argument("--small", type=int, default=20_000, help="tensors of workload c")
     parser.add_argument("--size-mib", type=int, default=1024, help="size of workload a")
-    parser.add_argument("--mode", choices=["thread", "process"], default="thread")
+    parser.add_argument(
+        "--mode", choices=["thread", "process", "floor-thread", "floor-process"], default="thread"
+    )
     parser.add_argument("--loop", choices=["python", "compute"], default="python")
     parser.add_argument("--saves", type=int, default=60)
     parser.add_argument("--pin", action="store_true", help="the loop alone on CPU 0")
@@ -107,16 +235,21 @@ def main() -> None:
             for step in range(args.kept):
                 earlier.save(step, {"w": torch.zeros(4)})
     first_step = args.kept
-    manager = CheckpointManager(
-        root,
-        1,
-        max_to_keep=args.max_to_keep if args.max_to_keep is not None else 0 if args.kept else 1,
-        chkpt_on_preemption=False,
-        async_mode=args.mode,
-    )
+    saver: ManagerSaver | RawWriteFloor
+    if args.mode.startswith("floor-"):
+        saver = RawWriteFloor(list(work.tensors.values()), root, args.mode == "floor-process")
+    else:
+        manager = CheckpointManager(
+            root,
+            1,
+            max_to_keep=args.max_to_keep if args.max_to_keep is not None else 0 if args.kept else 1,
+            chkpt_on_preemption=False,
+            async_mode=args.mode,
+        )
+        saver = ManagerSaver(manager, work.state)
     try:
-        manager.save_async(first_step, work.state)  # allocates the staging, starts the daemon
-        manager.join()
+        saver.save_async(first_step)  # allocates the staging, starts the daemon
+        saver.join()
         children = pin_loop_alone(threading.get_native_id()) if args.pin else []
         torch.set_num_threads(1)
         baseline = loop.baseline(300)
@@ -131,12 +264,12 @@ def main() -> None:
         for step in range(1, args.saves + 1):
             torch.set_num_threads(threads)
             started = time.perf_counter()
-            manager.save_async(first_step + step, work.state)
+            saver.save_async(first_step + step)
             returned = time.perf_counter()
             blocking.append(returned - started)
             torch.set_num_threads(1)
             index = 0
-            while not writer_idle(manager):
+            while not saver.idle():
                 before = time.perf_counter()
                 loop.step()
                 after = time.perf_counter()
@@ -150,7 +283,7 @@ def main() -> None:
                 if after - returned > _LIMIT_S:
                     raise TimeoutError(f"a background save took over {_LIMIT_S} s")
             steps += index
-            manager.join()
+            saver.join()
             # The same number of steps with nothing running, a moment later: what those steps
             # cost when the machine is as fast or slow as it was during this save. As many
             # steps run first and are not counted, so that what the save left running in the
@@ -167,7 +300,7 @@ def main() -> None:
             lost_before = lost
         baseline_after = loop.baseline(300)
     finally:
-        manager.close()
+        saver.close()
         shutil.rmtree(root, ignore_errors=True)
 
     saves = args.saves
@@ -178,7 +311,9 @@ def main() -> None:
         "loop": args.loop,
         "pinned": args.pin,
         "kept_before": args.kept,
-        "max_to_keep": manager.config.max_to_keep,
+        "max_to_keep": saver.manager.config.max_to_keep
+        if isinstance(saver, ManagerSaver)
+        else None,
         "children_pinned": len(children),
         "saves": saves,
         "baseline_step_ms": baseline * 1e3,
