@@ -8,7 +8,15 @@ whose daemon is started on the first save (with ``spawn``), serves every later s
 manager, and forms a gloo group of its own with the daemons of the other ranks.
 
 The staged tensors reach the daemon without a copy: in process mode the staging arena lives in
-shared memory (:mod:`ckptmgr.staging`), so only handles travel over the pipe. The daemon returns
+shared memory (:mod:`ckptmgr.staging`), so only handles travel over the pipe. The arena's file
+descriptor goes to a daemon once (the first save that uses that arena); the daemon keeps the
+arena mapped, and later saves send each tensor as the arena's token and the tensor's place in
+it (:class:`_ArenaView`). Each request also names the arenas still alive in the training
+process, and the daemon lets go of any other one as it reads the request: as long as DCP's
+daemon held the previous request anyway, so no memory is held longer than before. Handing over
+a descriptor cost the training process a connection to its resource sharer per save (a
+thread of Python and about 30 system calls that share the GIL with the training loop). The
+daemon returns
 DCP's metadata with the sizes and CRC-32s of the files it wrote (``CHECKSUMS_ATTRIBUTE``). A
 daemon that died (killed, out of memory) fails the save that was running; the next save starts a
 new one. Everything else of a save (the commit, retention) stays in the training process.
@@ -34,6 +42,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from ckptmgr.errors import CheckpointError
 from ckptmgr.niceness import background_niceness, set_background_niceness
+from ckptmgr.staging import shared_arenas
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +108,60 @@ if _AsyncCheckpointProcess is not None:
             _AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
 
 
+_DAEMON_ARENAS: dict[int, torch.UntypedStorage] = {}
+"""In a daemon: the staging arenas it keeps mapped, by token."""
+
+
+def _arena_view(
+    token: int,
+    storage: torch.UntypedStorage | None,
+    alive: frozenset[int],
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    offset: int,
+) -> torch.Tensor:
+    """In the daemon, while a request is read: a staged tensor, as a view of the arena named
+    ``token`` (``storage`` is that arena the first time this daemon is sent it). Arenas that
+    are not in ``alive`` (the training process let go of them) are dropped first."""
+    if storage is not None:
+        _DAEMON_ARENAS[token] = storage
+    for gone in _DAEMON_ARENAS.keys() - alive:
+        del _DAEMON_ARENAS[gone]
+    arena = _DAEMON_ARENAS.get(token)
+    if arena is None:  # (the training process keeps count of what it sent: never expected)
+        raise CheckpointError(f"the checkpoint daemon was never sent staging arena {token}")
+    return torch.empty(0, dtype=dtype).set_(arena, offset, shape, stride)
+
+
+class _ArenaView:
+    """A staged tensor on its way to the daemon: pickled as a view of its arena (by token,
+    with the arena's storage only when ``storage`` is given), unpickled by :func:`_arena_view`
+    as a tensor on the arena the daemon keeps."""
+
+    __slots__ = ("_args",)
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        token: int,
+        storage: torch.UntypedStorage | None,
+        alive: frozenset[int],
+    ) -> None:
+        self._args = (
+            token,
+            storage,
+            alive,
+            tensor.dtype,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.storage_offset(),
+        )
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_arena_view, self._args)
+
+
 def available() -> bool:
     """True when this torch has DCP's process-based async checkpointing."""
     return _AsyncCheckpointProcess is not None
@@ -124,6 +187,7 @@ class SaveProcess:
         self._daemon: Any = None
         self._exit_hook: multiprocessing.util.Finalize | None = None  # stops the daemon
         self._failed = False  # the last save failed: the daemon (and its group) is replaced
+        self._arenas_sent: set[int] = set()  # tokens of the arenas the daemon keeps
         self._lock = threading.Lock()
 
     @property
@@ -153,7 +217,8 @@ class SaveProcess:
                 self._replace()
             daemon = self._daemon
             try:
-                return daemon.save(tensors, storage_writer=writer, no_dist=self._group is None)
+                staged = self._by_arena(tensors)
+                return daemon.save(staged, storage_writer=writer, no_dist=self._group is None)
             except BaseException as exc:
                 self._failed = True
                 process = daemon._save_process
@@ -169,6 +234,27 @@ class SaveProcess:
                     ) from exc
                 raise
 
+    def _by_arena(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """``tensors`` as sent: each view of a staging arena as an :class:`_ArenaView` (the
+        arena's storage only in the first view of an arena the daemon was not yet sent), any
+        other tensor as it is (pickled by torch: a file descriptor per storage)."""
+        arenas = shared_arenas()
+        alive = frozenset(token for token, _ in arenas.values())
+        self._arenas_sent &= alive  # the daemon drops the others as it reads this request
+        sent: dict[str, Any] = {}
+        for key, tensor in tensors.items():
+            found = None
+            if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
+                found = arenas.get(tensor.untyped_storage().data_ptr())
+            if found is None or tensor.is_conj() or tensor.is_neg():
+                sent[key] = tensor
+                continue
+            token, storage = found
+            first = token not in self._arenas_sent
+            self._arenas_sent.add(token)  # (a failed send replaces the daemon: see _stop)
+            sent[key] = _ArenaView(tensor, token, storage if first else None, alive)
+        return sent
+
     def reset(self) -> None:
         """Stop the daemon (if any); the next :meth:`save` starts a new one."""
         with self._lock:
@@ -182,6 +268,7 @@ class SaveProcess:
         daemon, self._daemon = self._daemon, None
         hook, self._exit_hook = self._exit_hook, None
         self._failed = False
+        self._arenas_sent = set()  # a new daemon keeps none
         if hook is not None:
             hook.cancel()
         if daemon is not None:

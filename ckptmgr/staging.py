@@ -30,6 +30,7 @@ state costs one allocation.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -78,6 +79,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _ARENAS: weakref.WeakSet[_Arena] = weakref.WeakSet()  # every arena alive in this process
+_ARENAS_LOCK = threading.Lock()  # held to add to _ARENAS, or to list it from another thread
+_ARENA_TOKENS = itertools.count(1)  # names each arena made in this process, never reused
 _INHERITED_MAPS: list[mmap.mmap] = []  # in a forked child: the parent's private arenas' maps
 
 
@@ -88,8 +91,16 @@ def _keep_inherited_maps() -> None:
     _INHERITED_MAPS.extend(arena._map for arena in list(_ARENAS) if arena._map is not None)
 
 
+def _new_arenas_lock() -> None:
+    """In a forked child: a lock of its own (a thread of the parent may have held it at the
+    fork, and would never release it here)."""
+    global _ARENAS_LOCK
+    _ARENAS_LOCK = threading.Lock()
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_keep_inherited_maps)
+    os.register_at_fork(after_in_child=_new_arenas_lock)
 
 
 def _aligned(size: int) -> int:
@@ -117,6 +128,7 @@ class _Arena:
 
     def __init__(self, size: int, pin: bool, shared: bool = False) -> None:
         self.size = size
+        self.token = next(_ARENA_TOKENS)  # this arena's name: unique in the process's life
         self.pinned = False
         self._pid = os.getpid()
         self._unpin: weakref.finalize | None = None  # undoes the pinning, once
@@ -134,7 +146,8 @@ class _Arena:
         if pin and size:  # (frombuffer refuses a zero-length region)
             self._unpin = _register_pinned(owner, self.region(0, size).data_ptr(), size)
             self.pinned = self._unpin is not None
-        _ARENAS.add(self)
+        with _ARENAS_LOCK:
+            _ARENAS.add(self)
 
     @property
     def inherited(self) -> bool:
@@ -147,6 +160,11 @@ class _Arena:
         Python unmaps an mmap before it runs the finalizers that would do it otherwise)."""
         if self._unpin is not None:
             self._unpin()  # a weakref.finalize runs at most once
+
+    @property
+    def shared_storage(self) -> torch.UntypedStorage | None:
+        """The one shared-memory storage of a shared arena (None for a private one)."""
+        return self._storage
 
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over ``nbytes`` bytes at ``offset``: with a storage of its own in a
@@ -231,6 +249,21 @@ class _Layout:
     share_groups: list[tuple[int, list[tuple[str, int, tuple[int, ...]]]]]
     on_cpu: bool  # every source is a CPU tensor: one host copy call
     pack_fingerprint: str | None = None  # packing.fingerprint(packed), once asked for
+
+
+def shared_arenas() -> dict[int, tuple[int, torch.UntypedStorage]]:
+    """Every shared-memory arena alive in this process (none inherited from a parent), by the
+    address of its memory: (its token, its storage). A staged tensor of process mode is a view
+    of one of them (its ``untyped_storage().data_ptr()`` is the key); the token names the arena
+    for as long as the process lives, so that a daemon can keep it mapped from save to save."""
+    found: dict[int, tuple[int, torch.UntypedStorage]] = {}
+    with _ARENAS_LOCK:  # (the training thread may be making an arena for its next save)
+        arenas = list(_ARENAS)
+    for arena in arenas:
+        storage = arena.shared_storage
+        if storage is not None and not arena.inherited:
+            found[storage.data_ptr()] = (arena.token, storage)
+    return found
 
 
 class StagingBuffers:

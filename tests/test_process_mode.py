@@ -618,6 +618,105 @@ def test_close_stops_the_daemon_after_the_pending_save(ckpt_dir: Path) -> None:
         assert differences(target, expected) == []
 
 
+# -- the staging arena goes to a daemon once ------------------------------------------------------
+def _count_handed_descriptors(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one for every file descriptor this process hands to another one
+    through multiprocessing's resource sharer (how torch sends a shared-memory storage)."""
+    import multiprocessing.resource_sharer as resource_sharer
+
+    handed: list[int] = []
+    register = resource_sharer._ResourceSharer.register
+
+    def counted(self: Any, send: Any, close: Any) -> Any:
+        handed.append(1)
+        return register(self, send, close)
+
+    monkeypatch.setattr(resource_sharer._ResourceSharer, "register", counted)
+    return handed
+
+
+def _shared_memory_maps(pid: int) -> set[str]:
+    """The shared-memory files (torch's, under /dev/shm) that process ``pid`` has mapped."""
+    with open(f"/proc/{pid}/maps") as handle:
+        return {line.split(None, 5)[5].strip() for line in handle if "/dev/shm/" in line}
+
+
+def test_the_staging_arena_goes_to_the_daemon_once(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Handing a descriptor over costs the training process a connection to its resource
+    # sharer (Python and system calls that share its GIL): once per arena, not once per save.
+    handed = _count_handed_descriptors(monkeypatch)
+    base = {"tensors": tensor_state(41, "base")}
+    changed = {"tensors": tensor_state(42, "changed")}  # needs a bigger arena
+    states = [base, base, base, changed, changed, base]
+    expected: dict[int, Any] = {}
+    per_save: list[int] = []
+    with process_manager(ckpt_dir) as mgr:
+        for step, state in enumerate(states, start=1):
+            before = len(handed)
+            assert mgr.save_async(step, state)
+            mgr.join()
+            per_save.append(len(handed) - before)
+            expected[step] = copy.deepcopy(state)
+    assert per_save[:5] == [1, 0, 0, 1, 0], per_save
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as reader:
+        for step, state in expected.items():
+            target = zeros_like_state(state)
+            reader.restore(step, target)
+            assert differences(target, state) == [], step
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/<pid>/maps: Linux")
+def test_the_daemon_lets_go_of_an_arena_the_training_process_dropped(ckpt_dir: Path) -> None:
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, {"tensors": tensor_state(43, "base")})
+        mgr.join()
+        pid = daemon_of(mgr).pid
+        assert pid is not None
+        first = _shared_memory_maps(pid)
+        assert len(first) == 1 and first <= _shared_memory_maps(os.getpid()), first
+        assert mgr.save_async(2, {"tensors": tensor_state(44, "changed")})  # a new arena
+        mgr.join()
+        second = _shared_memory_maps(pid)
+        assert len(second) == 1 and second != first, (first, second)
+        assert second <= _shared_memory_maps(os.getpid())  # the arena the training process has
+        assert not first & _shared_memory_maps(os.getpid())  # which let go of the first one
+
+
+def test_an_arena_view_pickles_as_its_place_in_the_arena() -> None:
+    from multiprocessing.reduction import ForkingPickler
+
+    from ckptmgr import save_process
+
+    arena = torch.UntypedStorage._new_shared(4096)
+    whole = torch.empty(0, dtype=torch.uint8).set_(arena, 0, (4096,))
+    whole.copy_(torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8))
+    floats = whole[64:1088].view(torch.float32).view(16, 16)
+    views = {"rows": floats, "columns": floats.t()[2:7, ::3], "bytes": whole[5:9]}
+    token = 10**9  # (no arena of this process has it)
+    alive = frozenset({token})
+    sent = [
+        save_process._ArenaView(views["rows"], token, arena, alive),
+        save_process._ArenaView(views["columns"], token, None, alive),
+        save_process._ArenaView(views["bytes"], token, None, alive),
+    ]
+    try:
+        received = ForkingPickler.loads(ForkingPickler.dumps(sent))
+        for view, got in zip(views.values(), received, strict=True):
+            assert got.dtype == view.dtype and got.shape == view.shape
+            assert got.stride() == view.stride() and torch.equal(got, view)
+        # later requests send the token only; an arena no longer alive is dropped first
+        later = save_process._ArenaView(views["bytes"], token, None, alive)
+        assert torch.equal(ForkingPickler.loads(ForkingPickler.dumps(later)), views["bytes"])
+        dropped = save_process._ArenaView(views["bytes"], token, None, frozenset())
+        with pytest.raises(CheckpointError, match="never sent staging arena"):
+            ForkingPickler.loads(ForkingPickler.dumps(dropped))
+        assert token not in save_process._DAEMON_ARENAS
+    finally:
+        save_process._DAEMON_ARENAS.pop(token, None)
+
+
 EXIT_WITHOUT_CLOSE_CHILD = r"""
 import os, sys, torch
 from ckptmgr import CheckpointManager

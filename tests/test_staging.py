@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import in_forked_child
 
-from ckptmgr import CheckpointManager
+from ckptmgr import CheckpointManager, staging
 from ckptmgr.errors import CheckpointError
 from ckptmgr.packing import PACK_KEY, PackedTensor, PackFilter, any_name, pack_layout
 from ckptmgr.staging import (
@@ -372,6 +372,27 @@ def test_a_forked_child_does_not_inherit_the_arena_and_stages_into_its_own() -> 
     assert in_forked_child(stage_in_child) == b"ok, new arena"
     _assert_exact(buffers.stage(state), state)  # the parent's arena is as it was
     assert buffers.stage(state)["w"].data_ptr() == address
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_child_forked_while_the_arenas_are_listed_makes_arenas() -> None:
+    """The lock that guards the list of arenas (the writer thread lists them for the checkpoint
+    daemon while the training thread may make one) is held by another thread at the fork: the
+    child has a lock of its own, or its first arena would wait forever."""
+    shared = StagingBuffers(shared=True)
+    shared.stage(_state())
+    staging._ARENAS_LOCK.acquire()  # as another thread of this process could hold it
+    try:
+
+        def arenas_in_child() -> bytes:
+            fresh = StagingBuffers(shared=True)
+            fresh.stage(_state(seed=2))
+            return b"%d" % len(staging.shared_arenas())  # the parent's is not the child's
+
+        assert in_forked_child(arenas_in_child) == b"1"
+    finally:
+        staging._ARENAS_LOCK.release()
+    assert len(staging.shared_arenas()) >= 1
 
 
 @pytest.mark.skipif(not hasattr(os, "fork") or not Path("/proc/self/maps").exists(), reason="Linux")
