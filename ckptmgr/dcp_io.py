@@ -30,6 +30,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, Any
 
 import torch
@@ -276,6 +277,19 @@ class ChecksummingFileSystem(FileSystem):
         if self.checksums is not None:
             self.checksums.add(name, hashing.size, hashing.crc)
 
+    def write_small_file(self, path: str | os.PathLike[str], data: bytes) -> None:
+        """Write ``data`` to a new file at ``path`` and fsync it; its checksum is logged."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if self.checksums is not None:
+            self.checksums.add(_relative(self.root, path), len(data), crc32(data))
+
     @contextmanager
     def open_data_file(self, path: str | os.PathLike[str]) -> Iterator[tensor_bytes.TensorSink]:
         """A data file written with raw tensor bytes: fsynced, its checksum logged on close."""
@@ -367,8 +381,13 @@ class _RawTensorWriter:
     path: Any
     thread_count: int
     checksums: ChecksumLog | None = None
+    small_files: Mapping[str, bytes] = MappingProxyType({})
+    """Files of this rank that the writer writes beside its data files (name -> bytes; the
+    objects file, written from the checkpoint daemon in process mode): local writers only."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        for small_name, data in self.small_files.items():  # (the directory exists by now)
+            self.fs.write_small_file(self.fs.concat_path(self.path, small_name), data)
         prefix = plan.storage_data.prefix
         pickled = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
         if pickled:
@@ -387,7 +406,7 @@ class _RawTensorWriter:
                 for future in futures:
                     results.extend(future.result())
         if self.checksums is not None:  # this rank's files, for finish() on the coordinator
-            names = {name for name, _ in jobs}
+            names = {name for name, _ in jobs} | set(self.small_files)
             written = {n: v for n, v in self.checksums.snapshot().items() if n in names}
             index = dcp_metadata.MetadataIndex(f"{_CHECKSUMS_FQN}{prefix}")
             results.append(WriteResult(index=index, size_in_bytes=0, storage_data=written))
@@ -788,6 +807,19 @@ class RetryingFileSystem(FileSystemBase):
             spool.close()
             raise
         return spool, size, crc  # type: ignore[return-value]
+
+    def write_small_file(self, path: str | os.PathLike[str], data: bytes) -> None:
+        """Write ``data`` to a new file at ``path`` and fsync it; its checksum is logged."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if self.checksums is not None:
+            self.checksums.add(_relative(self.root, path), len(data), crc32(data))
 
     @contextmanager
     def open_data_file(self, path: str | os.PathLike[str]) -> Iterator[tensor_bytes.TensorSink]:

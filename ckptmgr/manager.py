@@ -39,7 +39,7 @@ from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, SaveProcess
 from ckptmgr.staging import StagingBuffers, StagingPool
 from ckptmgr.state import RestorePlan, flatten, plan_restore
-from ckptmgr.storage import CheckpointStorage, objects_file_name
+from ckptmgr.storage import CheckpointStorage, json_bytes, objects_file_name
 
 log = logging.getLogger("ckptmgr")
 
@@ -641,13 +641,17 @@ class CheckpointManager:
             )
         # name -> (size, CRC-32) of every file this rank wrote, computed while writing it
         checksums: dict[str, tuple[int, int]] = {}
+        objects_name = objects_file_name(comm.rank)
+        small_files: dict[str, bytes] = {}  # written by the DCP writer (locally)
         try:
             if not comm.is_coordinator:
                 storage.ensure_dir(write_dir)  # retried; no-op on object stores
-            objects_name = objects_file_name(comm.rank)
-            checksums[objects_name] = storage.write_json(
-                f"{write_dir}/{objects_name}", request.objects
-            )
+            if storage.is_local:  # beside the data, from the daemon in process mode
+                small_files[objects_name] = json_bytes(request.objects)
+            else:
+                checksums[objects_name] = storage.write_json(
+                    f"{write_dir}/{objects_name}", request.objects
+                )
         except Exception as exc:
             local_error = local_error or exc
         dcp_metadata = None
@@ -668,6 +672,7 @@ class CheckpointManager:
                 storage_options=storage.storage_options,
                 retry=storage.retry,
             )
+            writer.small_files = small_files
             if in_daemon:
                 assert self._save_process is not None
                 dcp_metadata = self._save_process.save(  # (replaced above, when distributed)

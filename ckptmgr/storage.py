@@ -522,7 +522,7 @@ class CheckpointStorage:
 
     def write_json(self, path: str, payload: Any) -> tuple[int, int]:
         """Write a JSON document (fsynced on local disks); returns its (size, CRC-32)."""
-        data = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+        data = json_bytes(payload)
         self._write_bytes(path, data)
         return len(data), crc32(data)
 
@@ -806,6 +806,12 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except FileNotFoundError:
         return []
+
+
+def json_bytes(payload: Any) -> bytes:
+    """``payload`` as the compact UTF-8 JSON ckptmgr writes (``ValueError`` for NaN and
+    infinities, ``TypeError`` for what JSON cannot hold)."""
+    return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _local_file_sizes(path: str) -> dict[str, int]:

@@ -684,6 +684,34 @@ def test_the_daemon_lets_go_of_an_arena_the_training_process_dropped(ckpt_dir: P
         assert not first & _shared_memory_maps(os.getpid())  # which let go of the first one
 
 
+def test_the_daemon_writes_the_objects_file_beside_the_data(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Neither the training process's storage nor its DCP file system may write it: the write
+    # (and its fsync) runs in the daemon, with the data files.
+    from ckptmgr.dcp_io import ChecksummingFileSystem
+
+    def refused(self: Any, path: Any, *args: Any) -> None:
+        raise AssertionError(f"the training process wrote {path}")
+
+    monkeypatch.setattr(CheckpointStorage, "write_json", refused)
+    monkeypatch.setattr(ChecksummingFileSystem, "write_small_file", refused)
+    state = {"tensors": tensor_state(45, "base"), "epoch": 7, "run": {"name": "b", "lr": 0.5}}
+    expected = copy.deepcopy(state)
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, state)
+        mgr.join()
+    record = read_record(ckpt_dir, 1)
+    entry = next(f for f in record.files if f.path == "objects-rank00000.json")
+    data = (ckpt_dir / "step_000000000001" / entry.path).read_bytes()
+    assert entry.size == len(data) and entry.crc32 == zlib.crc32(data)
+    monkeypatch.undo()
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as reader:
+        target = zeros_like_state(expected)
+        reader.restore(1, target)
+        assert differences(target, expected) == []
+
+
 def test_an_arena_view_pickles_as_its_place_in_the_arena() -> None:
     from multiprocessing.reduction import ForkingPickler
 
