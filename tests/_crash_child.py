@@ -12,7 +12,9 @@ Protocol, one line per message, flushed at once:
   call, ``saved <step> <True|False>`` after ``save`` returned, ``queued <step> <True|False>``
   after ``save_async`` returned and ``joined <step>`` after ``join`` returned (every async save
   up to ``step`` is committed then). In ``big`` mode it prints ``timing <step> <seconds>`` after
-  the first save and ``writing <step>`` right before the save that the parent kills.
+  the first save and ``writing <step>`` right before the save that the parent kills; with
+  ``pause_in_write`` it also prints ``inside write <step>`` once the first piece of that save's
+  data file is written, and that write waits there to be killed.
 
 Every wait is bounded: the configuration must arrive within ``CONFIG_WAIT_S`` and a watchdog
 (``SIGALRM``) ends the child ``watchdog_s`` seconds after it started saving, should the parent
@@ -22,6 +24,7 @@ never kill it.
 from __future__ import annotations
 
 import json
+import os
 import random
 import select
 import signal
@@ -166,8 +169,35 @@ def _run_loop(manager: Any, config: dict[str, Any]) -> None:
                 _emit(f"joined {step}")
 
 
+def _pause_inside_the_write_of(step: int, wait_s: float) -> None:
+    """Make the write of ``step``'s data files stop after their first piece: the child prints
+    ``inside write <step>`` and the writing thread waits there (for ``wait_s`` at most, on its
+    stdin, which the parent keeps open) to be killed. The kill then lands inside the write for
+    certain, not by timing."""
+    from ckptmgr import tensor_bytes
+    from ckptmgr.storage import TMP_PREFIX, step_dir_name
+
+    prefix = f"{TMP_PREFIX}{step_dir_name(step)}-"
+    make, write_piece = tensor_bytes.LocalDataFile.__init__, tensor_bytes.LocalDataFile.write_piece
+
+    def made(self: Any, path: Any, *, fsync: bool) -> None:
+        make(self, path, fsync=fsync)
+        self.crash_test_pause = os.path.basename(os.path.dirname(path)).startswith(prefix)
+
+    def written(self: Any, piece: memoryview, owner: Any) -> None:
+        write_piece(self, piece, owner)
+        if getattr(self, "crash_test_pause", False):
+            _emit(f"inside write {step}")
+            select.select([sys.stdin], [], [], wait_s)
+
+    tensor_bytes.LocalDataFile.__init__ = made  # type: ignore[method-assign]
+    tensor_bytes.LocalDataFile.write_piece = written  # type: ignore[method-assign]
+
+
 def _run_big(manager: Any, config: dict[str, Any]) -> None:
     """Commit step 0, then announce and start the (slow) save of step 1 that gets killed."""
+    if config.get("pause_in_write"):
+        _pause_inside_the_write_of(1, float(config["watchdog_s"]))
     state = blank_state(config["spec"])
     fill_state(state, 0)
     _emit("attempt 0 sync")

@@ -333,42 +333,36 @@ def test_sigkill_during_save_loop(index: int, pool: ChildPool, tmp_path: Path) -
 def test_sigkill_inside_a_large_write(pool: ChildPool, tmp_path: Path) -> None:
     """Kill the child while it writes a large step: a .tmp leftover is never listed, then removed.
 
-    The kill comes a fraction of the measured duration of the first (equally large) save after
-    the child announced the second one, so the second write is very likely in progress. Up to
-    three children are tried until one leaves a ``.tmp-`` directory behind.
+    The child's write of step 1 stops after the first piece of its data file and says so
+    (``pause_in_write``), so the kill lands inside the write every time.
     """
-    rng = random.Random(2024)
     spec = dict(child_state.SMALL_SPEC, f32=64 * 262144)  # 64 MiB of float32
-    seen_tmp = False
-    for attempt in range(3):
-        root = tmp_path / f"ckpts-{attempt}"
-        child = pool.take(upcoming=0)
-        child.start(
-            {
-                "mode": "big",
-                "root": str(root),
-                "seed": attempt,
-                "spec": spec,
-                "max_to_keep": 0,
-                "max_pending_async": 1,
-                "watchdog_s": WATCHDOG_S,
-            }
-        )
-        timing = child.wait_for(lambda line: line.startswith("timing 0 "), 60, "first commit")
-        child.wait_for(lambda line: line == "writing 1", 60, "'writing 1'")
-        child.consume_for(float(timing.split()[2]) * rng.uniform(0.1, 0.35))
-        child.kill_and_collect()
+    root = tmp_path / "ckpts"
+    child = pool.take(upcoming=0)
+    child.start(
+        {
+            "mode": "big",
+            "root": str(root),
+            "seed": 0,
+            "spec": spec,
+            "max_to_keep": 0,
+            "max_pending_async": 1,
+            "watchdog_s": WATCHDOG_S,
+            "pause_in_write": True,
+        }
+    )
+    child.wait_for(lambda line: line == "saved 0 True", 60, "the commit of step 0")
+    child.wait_for(lambda line: line == "inside write 1", 60, "the write of step 1")
+    child.kill_and_collect()
 
-        report = parse_report(child.lines)
-        tmp = [n for n in os.listdir(root) if n.startswith(".tmp-step_000000000001-")]
-        listed, leftovers = verify_after_crash(root, spec, report, max_to_keep=0)
-        print(f"attempt {attempt}: {timing}, listed {listed}, leftovers {leftovers}")
-        assert 0 in listed
-        if tmp:
-            assert listed == [0], f"step 1 is listed although its write was interrupted: {tmp}"
-            seen_tmp = True
-            break
-    assert seen_tmp, "no kill landed inside the write of step 1 in three tries"
+    report = parse_report(child.lines)
+    tmp = [n for n in os.listdir(root) if n.startswith(".tmp-step_000000000001-")]
+    assert tmp, f"no write directory of step 1 was left: {sorted(os.listdir(root))}"
+    data_files = [n for n in os.listdir(root / tmp[0]) if n.endswith(".distcp")]
+    assert data_files, f"the write of step 1 had not begun its data: {os.listdir(root / tmp[0])}"
+    listed, leftovers = verify_after_crash(root, spec, report, max_to_keep=0)  # (removes them)
+    assert listed == [0], f"step 1 is listed although its write was interrupted: {tmp}"
+    assert tmp[0] in leftovers, leftovers
 
 
 def test_every_file_of_a_step_is_fsynced_with_all_its_bytes(
