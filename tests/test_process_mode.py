@@ -667,6 +667,31 @@ def test_the_staging_arena_goes_to_the_daemon_once(
             assert differences(target, state) == [], step
 
 
+def test_two_staging_slots_keep_two_arenas_in_the_daemon(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With max_pending_async=2 saves take turns between two arenas (when one save is still
+    # writing as the next one stages; internal: the pool's slots): the daemon is sent each once
+    # and keeps both, and every step holds its own values, not the other slot's.
+    handed = _count_handed_descriptors(monkeypatch)
+    expected: dict[int, Any] = {}
+    with process_manager(ckpt_dir, max_pending_async=2) as mgr:
+        for step in range(1, 7):
+            state = {"tensors": tensor_state(50 + step, "base")}
+            expected[step] = copy.deepcopy(state)
+            assert mgr.save_async(step, state)  # (up to two in flight)
+        mgr.join()
+        arenas = [slot._arena for slot in mgr._staging._all if slot._arena is not None]
+    assert 1 <= len(arenas) <= 2
+    assert len(handed) == len(arenas), f"{len(handed)} descriptors for {len(arenas)} arenas"
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as reader:
+        assert reader.all_steps() == list(expected)
+        for step, state in expected.items():
+            target = zeros_like_state(state)
+            reader.restore(step, target)
+            assert differences(target, state) == [], step
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/<pid>/maps: Linux")
 def test_the_daemon_lets_go_of_an_arena_the_training_process_dropped(ckpt_dir: Path) -> None:
     with process_manager(ckpt_dir) as mgr:
