@@ -808,19 +808,6 @@ class RetryingFileSystem(FileSystemBase):
             raise
         return spool, size, crc  # type: ignore[return-value]
 
-    def write_small_file(self, path: str | os.PathLike[str], data: bytes) -> None:
-        """Write ``data`` to a new file at ``path`` and fsync it; its checksum is logged."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if self.checksums is not None:
-            self.checksums.add(_relative(self.root, path), len(data), crc32(data))
-
     @contextmanager
     def open_data_file(self, path: str | os.PathLike[str]) -> Iterator[tensor_bytes.TensorSink]:
         """A data file spooled locally (hashed as it is spooled) and uploaded when closed."""
