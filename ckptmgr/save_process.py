@@ -12,14 +12,14 @@ shared memory (:mod:`ckptmgr.staging`), so only handles travel over the pipe. Th
 descriptor goes to a daemon once (the first save that uses that arena); the daemon keeps the
 arena mapped, and later saves send each tensor as the arena's token and the tensor's place in
 it (:class:`_ArenaView`). Each request also names the arenas still alive in the training
-process, and the daemon lets go of any other one as it reads the request: as long as DCP's
-daemon held the previous request anyway, so no memory is held longer than before. Handing over
-a descriptor cost the training process a connection to its resource sharer per save (a
-thread of Python and about 30 system calls that share the GIL with the training loop). The
-daemon returns
-DCP's metadata with the sizes and CRC-32s of the files it wrote (``CHECKSUMS_ATTRIBUTE``). A
-daemon that died (killed, out of memory) fails the save that was running; the next save starts a
-new one. Everything else of a save (the commit, retention) stays in the training process.
+process, and the daemon lets go of any other one as it reads the request, which is when DCP's
+daemon let go of the previous request's tensors anyway: no memory is held longer than before.
+(Handing a descriptor over costs the training process a connection to its resource sharer: a
+thread of Python and about 30 system calls that share the GIL with the training loop.) The
+daemon returns DCP's metadata with the sizes and CRC-32s of the files it wrote
+(``CHECKSUMS_ATTRIBUTE``). A daemon that died (killed, out of memory) fails the save that was
+running; the next save starts a new one. Everything else of a save (the commit, retention) stays
+in the training process.
 """
 
 from __future__ import annotations
