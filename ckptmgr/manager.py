@@ -172,6 +172,7 @@ class CheckpointManager:
                 self._comm.background_group if self._comm.distributed else None,
                 config.collective_timeout_s,
             )
+            self._storage.run_local_file_work = self._save_process.run_when_idle
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
         self._preemption_claimed: int | None = None

@@ -18,8 +18,11 @@ daemon let go of the previous request's tensors anyway: no memory is held longer
 thread of Python and about 30 system calls that share the GIL with the training loop.) The
 daemon returns DCP's metadata with the sizes and CRC-32s of the files it wrote
 (``CHECKSUMS_ATTRIBUTE``). A daemon that died (killed, out of memory) fails the save that was
-running; the next save starts a new one. Everything else of a save (the commit, retention) stays
-in the training process.
+running; the next save starts a new one. Everything else of a save (the commit, retention's
+decisions) stays in the training process; only file work that follows from them may be handed
+to the daemon between saves (:meth:`SaveProcess.run_when_idle`: on a local disk, deleting the
+steps retention let go of), so that its system calls do not hand the training process's GIL
+back and forth.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ import multiprocessing.process
 import multiprocessing.resource_sharer
 import multiprocessing.util
 import os
+import pickle
 import signal
 import socket
 import threading
 import weakref
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -105,7 +111,68 @@ if _AsyncCheckpointProcess is not None:
                 _async_process_executor.dist.init_process_group = functools.partial(  # type: ignore[attr-defined]
                     dist.init_process_group, timeout=datetime.timedelta(seconds=timeout_s)
                 )
-            _AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
+            _AsyncCheckpointProcess._checkpointing_subprocess(
+                pg_init_info, _CallServingConnection(parent_conn)
+            )
+
+
+class _CallResult:
+    """What :class:`_DaemonCall` returned, or the exception it raised, on its way back."""
+
+    __slots__ = ("error", "value")
+
+    def __init__(self, value: Any, error: BaseException | None) -> None:
+        self.value = value
+        self.error = error
+
+    def unwrap(self) -> Any:
+        """The value, or raise the error."""
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _DaemonCall:
+    """A request to the daemon, between two saves, to run ``function(*args)`` (a function of a
+    module the daemon imports: pickled by name)."""
+
+    __slots__ = ("args", "function")
+
+    def __init__(self, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.function = function
+        self.args = args
+
+    def run(self) -> _CallResult:
+        """In the daemon: the call's result, or what it raised (as a ``CheckpointError`` naming
+        it when that cannot be pickled)."""
+        try:
+            return _CallResult(self.function(*self.args), None)
+        except Exception as exc:
+            try:
+                pickle.dumps(exc)
+            except Exception:
+                return _CallResult(None, CheckpointError(f"in the checkpoint daemon: {exc!r}"))
+            return _CallResult(None, exc)
+
+
+class _CallServingConnection:
+    """In the daemon: its end of the pipe as DCP's serving loop sees it. Between DCP's requests
+    the training process may send a :class:`_DaemonCall`; :meth:`recv` runs it and answers it
+    before it returns the next request to DCP's loop."""
+
+    def __init__(self, connection: multiprocessing.connection.Connection) -> None:
+        self._connection = connection
+
+    def recv(self) -> Any:
+        """The next request that is not a :class:`_DaemonCall`."""
+        while True:
+            request = self._connection.recv()
+            if not isinstance(request, _DaemonCall):
+                return request
+            self._connection.send(request.run())
+
+    def __getattr__(self, name: str) -> Any:  # send, close, poll, ...: the pipe's own
+        return getattr(self._connection, name)
 
 
 _DAEMON_ARENAS: dict[int, torch.UntypedStorage] = {}
@@ -233,6 +300,51 @@ class SaveProcess:
                         f"save: {exc!r}"
                     ) from exc
                 raise
+
+    def run_when_idle(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)`` (a module-level function), run by the daemon when one is running,
+        healthy and not busy with a save; else (never waiting for a save), or when the daemon
+        dies during the call, run in this process. Returns its result; raises what it raised.
+
+        For file work after a save (removing a deleted step's files): done by the daemon, its
+        system calls share no GIL with the training loop. ``function`` must be safe to run
+        twice: a daemon that dies during the call may have done part of it."""
+        if not self._lock.acquire(blocking=False):  # a save is running: no wait
+            return function(*args)
+        try:
+            answer = self._call_daemon(function, args) if self.healthy else None
+        finally:
+            self._lock.release()
+        if answer is None:
+            return function(*args)
+        return answer.unwrap()
+
+    def _call_daemon(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """The daemon's :class:`_CallResult` of the call; None when the daemon could not take
+        it (marked failed then: the next save replaces it). Called with the lock held."""
+        daemon = self._daemon
+        try:
+            request = ForkingPickler.dumps(_DaemonCall(function, args))
+        except Exception as exc:  # (a function not importable by name): run here
+            log.warning("cannot send %r to the checkpoint daemon: %r", function, exc)
+            return None
+        try:
+            daemon._process_pipe.send_bytes(request)
+            answer = daemon._process_pipe.recv()
+        except Exception as exc:  # the pipe broke: the daemon died, or is dying
+            self._failed = True
+            log.warning(
+                "the checkpoint daemon (pid %s) could not run %s: %r; running it here",
+                daemon._save_process.pid,
+                getattr(function, "__qualname__", function),
+                exc,
+            )
+            return None
+        if not isinstance(answer, _CallResult):  # never expected: the pipe is out of step
+            self._failed = True
+            log.warning("the checkpoint daemon answered a call with %r; running it here", answer)
+            return None
+        return answer
 
     def _by_arena(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """``tensors`` as sent: each view of a staging arena as an :class:`_ArenaView` (the

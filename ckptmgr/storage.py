@@ -179,6 +179,12 @@ class CheckpointStorage:
                 "delete files of another path that they match; choose a root without them"
             )
         self.is_object_store = is_object_store(self.fs)
+        self.run_local_file_work: Callable[..., Any] = run_here
+        """What runs the file work of deleting a local step or an uncommitted write
+        (:func:`delete_local_step`, :func:`remove_local_tree`), called as
+        ``run_local_file_work(function, *args)``: :func:`run_here`, in this process, unless the
+        owner sets another (a manager in process mode has its checkpoint daemon run it, where
+        its system calls share no GIL with the training loop)."""
         protocols = (
             self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         )
@@ -562,7 +568,7 @@ class CheckpointStorage:
         if os.path.exists(final):
             if os.path.exists(os.path.join(final, RECORD_NAME)):
                 raise AlreadyCommittedError(f"step {step} was committed by another writer")
-            self._remove_local_tree(final)  # remains of an interrupted delete: never listed
+            remove_local_tree(final)  # remains of an interrupted delete: never listed
         os.rename(path, final)
         _fsync_dir(self.root)
 
@@ -616,7 +622,7 @@ class CheckpointStorage:
         """Remove an uncommitted write directory (best effort)."""
         try:
             if self.is_local:
-                self._remove_local_tree(path)
+                self.run_local_file_work(remove_local_tree, path)
                 return
             existing = self._find(path)
             if RECORD_NAME not in existing:
@@ -633,12 +639,8 @@ class CheckpointStorage:
         """
         path = self.step_path(step)
         if self.is_local:
-            if not os.path.exists(path):
-                return
             doomed = self.path(f"{DELETING_PREFIX}{step_dir_name(step)}-{time.time_ns()}")
-            os.rename(path, doomed)  # one atomic step makes it invisible
-            _fsync_dir(self.root)
-            self._remove_local_tree(doomed)
+            self.run_local_file_work(delete_local_step, self.root, path, doomed)
             return
         record = f"{path}/{RECORD_NAME}"
         try:
@@ -776,13 +778,31 @@ class CheckpointStorage:
                 os.rename(aside, path)
                 return False
             path = aside
-        self._remove_local_tree(path)
+        remove_local_tree(path)
         return True
 
-    @staticmethod
-    def _remove_local_tree(path: str) -> None:
-        if os.path.exists(path):
-            shutil.rmtree(path)
+
+def run_here(function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)``, in the calling thread (the default ``run_local_file_work``)."""
+    return function(*args)
+
+
+def delete_local_step(root: str, path: str, doomed: str) -> None:
+    """Delete the local step directory ``path`` (nothing if it is gone): renamed to ``doomed``
+    first, which makes it invisible in one atomic step (``root``, their parent, is synced
+    then), and removed after. Safe to run again after an interruption: a ``doomed`` directory
+    left behind is a leftover that the next manager's sweep removes."""
+    if not os.path.exists(path):
+        return
+    os.rename(path, doomed)
+    _fsync_dir(root)
+    remove_local_tree(doomed)
+
+
+def remove_local_tree(path: str) -> None:
+    """Remove the local directory ``path`` and everything under it; nothing if it is gone."""
+    if os.path.exists(path):
+        shutil.rmtree(path)
 
 
 def _info_mtime(info: dict[str, Any]) -> float | None:

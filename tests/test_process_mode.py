@@ -827,6 +827,124 @@ def test_a_program_that_ends_without_close_exits_and_stops_its_daemon(
         assert reader.all_steps() == ([1, 2] if mode == "pending" else [1])
 
 
+# -- file work between saves runs in the daemon ---------------------------------------------------
+def test_the_file_work_of_deleting_old_steps_goes_to_the_daemon(ckpt_dir: Path) -> None:
+    """Retention's deletions run through the storage's ``run_local_file_work``, which a
+    process-mode manager points at its daemon; each step still goes, and leaves nothing."""
+    ran: list[str] = []
+    with process_manager(ckpt_dir, max_to_keep=1) as mgr:
+        save_process = save_process_of(mgr)
+        storage = mgr._storage
+        assert storage.run_local_file_work == save_process.run_when_idle
+        storage.run_local_file_work = lambda function, *args: (
+            ran.append(function.__name__) or save_process.run_when_idle(function, *args)
+        )
+        states = {step: {"tensors": tensor_state(40 + step, "base")} for step in (1, 2, 3)}
+        for step, state in states.items():
+            assert mgr.save_async(step, state)
+            mgr.join()
+        assert save_process.run_when_idle(os.getpid) == daemon_of(mgr).pid != os.getpid()
+        assert ran == ["delete_local_step", "delete_local_step"]
+        assert mgr.all_steps() == [3]
+        assert sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir()) == [
+            step_dir(ckpt_dir, 3).name
+        ]
+        target = zeros_like_state(states[3])
+        mgr.restore(3, target)
+        assert differences(target, states[3]) == []
+
+
+def test_a_call_runs_here_while_a_save_holds_the_daemon_or_before_there_is_one(
+    ckpt_dir: Path,
+) -> None:
+    with process_manager(ckpt_dir) as mgr:
+        save_process = save_process_of(mgr)
+        assert save_process.run_when_idle(os.getpid) == os.getpid()  # no daemon yet
+        assert save_process._daemon is None, "a call must not start a daemon"
+        assert mgr.save_async(1, {"tensors": tensor_state(45, "base")})
+        mgr.join()
+        with save_process._lock:  # as while a save runs: never waited for
+            assert save_process.run_when_idle(os.getpid) == os.getpid()
+        assert save_process.run_when_idle(os.getpid) == daemon_of(mgr).pid
+
+
+def test_what_a_call_raises_in_the_daemon_is_raised_here_and_the_daemon_serves_on(
+    ckpt_dir: Path,
+) -> None:
+    missing = ckpt_dir / "no-such-file"
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, {"tensors": tensor_state(46, "base")})
+        mgr.join()
+        save_process = save_process_of(mgr)
+        pid = daemon_of(mgr).pid
+        with pytest.raises(FileNotFoundError) as raised:
+            save_process.run_when_idle(os.stat, str(missing))
+        assert raised.value.filename == str(missing)
+        assert save_process.healthy and save_process.run_when_idle(os.getpid) == pid
+        state = {"tensors": tensor_state(47, "base")}
+        assert mgr.save_async(2, state)
+        mgr.join()
+        assert save_process.pid == pid and mgr.all_steps() == [1, 2]
+        target = zeros_like_state(state)
+        mgr.restore(2, target)
+        assert differences(target, state) == []
+
+
+def test_a_daemon_that_dies_during_a_call_has_it_run_here_and_is_replaced(ckpt_dir: Path) -> None:
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, {"tensors": tensor_state(48, "base")})
+        mgr.join()
+        save_process = save_process_of(mgr)
+        old = daemon_of(mgr)
+        assert old.pid is not None
+        # The daemon kills itself in the call; the call then runs here (and signals a process
+        # that is dead but not yet reaped: nothing happens).
+        assert save_process.run_when_idle(os.kill, old.pid, signal.SIGKILL) is None
+        old.join(timeout=DEATH_TIMEOUT_S)
+        assert old.exitcode == -signal.SIGKILL
+        assert not save_process.healthy
+        assert save_process.run_when_idle(os.getpid) == os.getpid()
+        state = {"tensors": tensor_state(49, "base")}
+        assert mgr.save_async(2, state)
+        mgr.join()
+        assert save_process.pid not in (None, old.pid)
+        assert mgr.all_steps() == [1, 2]
+        target = zeros_like_state(state)
+        mgr.restore(2, target)
+        assert differences(target, state) == []
+
+
+class _Unpicklable(Exception):
+    def __reduce__(self) -> Any:
+        raise TypeError("not picklable")
+
+
+def _raise_unpicklable() -> None:
+    raise _Unpicklable("from the daemon")
+
+
+def test_the_daemon_side_of_the_pipe_answers_calls_between_requests() -> None:
+    """The daemon's end of the pipe, as DCP's serving loop reads it, in this process: a call
+    is answered with its result (or its error, as a CheckpointError when that cannot be
+    pickled), and the next other request is what recv() returns."""
+    from ckptmgr.save_process import _CallResult, _CallServingConnection, _DaemonCall
+
+    training_end, daemon_end = multiprocessing.Pipe()
+    serving = _CallServingConnection(daemon_end)
+    training_end.send(_DaemonCall(len, ("four",)))
+    training_end.send(_DaemonCall(_raise_unpicklable, ()))
+    training_end.send("a save request")
+    assert serving.recv() == "a save request"
+    first, second = training_end.recv(), training_end.recv()
+    assert isinstance(first, _CallResult) and first.unwrap() == 4
+    with pytest.raises(CheckpointError, match="_Unpicklable"):
+        second.unwrap()
+    serving.send("an answer")  # everything but recv is the pipe's own
+    assert training_end.poll(POLL_TIMEOUT_S) and training_end.recv() == "an answer"
+    training_end.close()
+    serving.close()
+
+
 # -- 5. configuration ------------------------------------------------------------------------------
 def test_memory_root_is_refused_in_process_mode() -> None:
     with pytest.raises(CheckpointError, match="async_mode"):
