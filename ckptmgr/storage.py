@@ -180,8 +180,9 @@ class CheckpointStorage:
             )
         self.is_object_store = is_object_store(self.fs)
         self.run_local_file_work: Callable[..., Any] = run_here
-        """What runs the file work of deleting a local step or an uncommitted write
-        (:func:`delete_local_step`, :func:`remove_local_tree`), called as
+        """What runs the file work of committing or deleting a local step and of removing an
+        uncommitted write (:func:`commit_local_step`, :func:`delete_local_step`,
+        :func:`remove_local_tree`), called as
         ``run_local_file_work(function, *args)``: :func:`run_here`, in this process, unless the
         owner sets another (a manager in process mode has its checkpoint daemon run it, where
         its system calls share no GIL with the training loop)."""
@@ -560,17 +561,12 @@ class CheckpointStorage:
         if not self.is_local:
             self._commit_remote(step, f"{path}/{RECORD_NAME}", record)
             return
-        self._write_bytes(os.path.join(path, RECORD_NAME), record.to_json())
-        _fsync_dir(path)
-        final = self.step_path(step)
-        if self._is_quarantined(final) and os.path.exists(os.path.join(final, RECORD_NAME)):
-            self._move_quarantined_aside(step)
-        if os.path.exists(final):
-            if os.path.exists(os.path.join(final, RECORD_NAME)):
-                raise AlreadyCommittedError(f"step {step} was committed by another writer")
-            remove_local_tree(final)  # remains of an interrupted delete: never listed
-        os.rename(path, final)
-        _fsync_dir(self.root)
+        aside = self.path(f"{step_dir_name(step)}.quarantined-{time.time_ns()}")
+        moved_aside = self.run_local_file_work(
+            commit_local_step, self.root, path, self.step_path(step), aside, record.to_json()
+        )
+        if moved_aside:
+            log.warning("moved quarantined step %d aside to %s before saving it again", step, aside)
 
     def _commit_remote(self, step: int, target: str, record: CommitRecord) -> None:
         data = record.to_json()
@@ -785,6 +781,55 @@ class CheckpointStorage:
 def run_here(function: Callable[..., T], *args: Any) -> T:
     """``function(*args)``, in the calling thread (the default ``run_local_file_work``)."""
     return function(*args)
+
+
+def commit_local_step(root: str, path: str, final: str, aside: str, record: bytes) -> bool:
+    """Commit the local write directory ``path`` as the step directory ``final``: the commit
+    record's bytes ``record`` written into it and synced, ``path`` synced, renamed to ``final``,
+    and ``root`` (their parent) synced. A quarantined step in ``final`` is moved to ``aside``
+    first (returns True then); ``AlreadyCommittedError`` if ``final`` holds another record.
+
+    Safe to run again after an interruption: when ``path`` is gone and ``final`` holds this
+    very record, the commit was done (only the sync of ``root`` is repeated)."""
+    final_record = os.path.join(final, RECORD_NAME)
+    if not os.path.exists(path) and _holds_bytes(final_record, record):
+        _fsync_dir(root)
+        return False
+    _write_synced(os.path.join(path, RECORD_NAME), record)
+    _fsync_dir(path)
+    moved_aside = False
+    if os.path.exists(os.path.join(final, QUARANTINE_NAME)) and os.path.exists(final_record):
+        os.rename(final, aside)  # kept, unlisted: a new save takes the step's name
+        _fsync_dir(root)
+        moved_aside = True
+    if os.path.exists(final):
+        if os.path.exists(final_record):
+            raise AlreadyCommittedError(f"{final} was committed by another writer")
+        remove_local_tree(final)  # remains of an interrupted delete: never listed
+    os.rename(path, final)
+    _fsync_dir(root)
+    return moved_aside
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    """Write ``data`` as the file ``path`` (created or truncated) and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _holds_bytes(path: str, data: bytes) -> bool:
+    """True when the file ``path`` exists and holds exactly ``data``."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(len(data) + 1) == data
+    except OSError:
+        return False
 
 
 def delete_local_step(root: str, path: str, doomed: str) -> None:

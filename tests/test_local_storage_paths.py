@@ -1,5 +1,6 @@
 """The local storage's own paths (no fsspec call on the save path): creating the write directory
-and listing what a save wrote give what fsspec's local file system gives."""
+and listing what a save wrote give what fsspec's local file system gives; the commit's file work
+(which the checkpoint daemon runs in process mode) on real files."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from ckptmgr.storage import CheckpointStorage
+from ckptmgr.storage import (
+    QUARANTINE_NAME,
+    RECORD_NAME,
+    AlreadyCommittedError,
+    CheckpointStorage,
+    commit_local_step,
+)
 
 
 def _fsspec_listing(path: Path) -> list[tuple[str, int]]:
@@ -84,3 +91,71 @@ def test_prepare_write_dir_under_a_file_raises(tmp_path: Path) -> None:
     (tmp_path / "blocker").write_bytes(b"")
     with pytest.raises(OSError):
         storage.prepare_write_dir(str(tmp_path / "blocker" / "inside"))
+
+
+# -- the local commit's file work (commit_local_step), as the checkpoint daemon runs it ----------
+def _write_dir_with_data(root: Path, name: str) -> Path:
+    write_dir = root / name
+    write_dir.mkdir()
+    (write_dir / "__0_0.distcp").write_bytes(b"d" * 100)
+    return write_dir
+
+
+def test_commit_local_step_writes_the_record_and_renames(tmp_path: Path) -> None:
+    write_dir = _write_dir_with_data(tmp_path, ".tmp-step_000000000007-abc")
+    final = tmp_path / "step_000000000007"
+    aside = tmp_path / "step_000000000007.quarantined-1"
+    moved = commit_local_step(str(tmp_path), str(write_dir), str(final), str(aside), b"{record}")
+    assert moved is False
+    assert not write_dir.exists() and not aside.exists()
+    assert (final / RECORD_NAME).read_bytes() == b"{record}"
+    assert (final / "__0_0.distcp").read_bytes() == b"d" * 100
+
+
+def test_commit_local_step_run_again_after_it_was_done_is_done(tmp_path: Path) -> None:
+    """A daemon killed after the rename has the call run again in the training process: the
+    step holding this very record is this commit, done; another record there is not."""
+    write_dir = _write_dir_with_data(tmp_path, ".tmp-step_000000000007-abc")
+    final = tmp_path / "step_000000000007"
+    args = (str(tmp_path), str(write_dir), str(final), str(tmp_path / "aside"))
+    assert commit_local_step(*args, b"{record}") is False
+    assert commit_local_step(*args, b"{record}") is False  # again: nothing changes
+    assert (final / RECORD_NAME).read_bytes() == b"{record}"
+    with pytest.raises(FileNotFoundError):  # not this save's record: never taken as done
+        commit_local_step(*args, b"{another record}")
+    assert (final / RECORD_NAME).read_bytes() == b"{record}"
+
+
+def test_commit_local_step_refuses_a_step_committed_by_another_writer(tmp_path: Path) -> None:
+    final = tmp_path / "step_000000000007"
+    final.mkdir()
+    (final / RECORD_NAME).write_bytes(b"{theirs}")
+    write_dir = _write_dir_with_data(tmp_path, ".tmp-step_000000000007-abc")
+    with pytest.raises(AlreadyCommittedError):
+        commit_local_step(
+            str(tmp_path), str(write_dir), str(final), str(tmp_path / "aside"), b"{ours}"
+        )
+    assert (final / RECORD_NAME).read_bytes() == b"{theirs}"
+    assert (write_dir / "__0_0.distcp").exists()  # left for the caller's discard
+
+
+def test_commit_local_step_moves_a_quarantined_step_aside(tmp_path: Path) -> None:
+    final = tmp_path / "step_000000000007"
+    final.mkdir()
+    (final / RECORD_NAME).write_bytes(b"{damaged}")
+    (final / QUARANTINE_NAME).write_bytes(b"{}")
+    aside = tmp_path / "step_000000000007.quarantined-1"
+    write_dir = _write_dir_with_data(tmp_path, ".tmp-step_000000000007-abc")
+    assert commit_local_step(str(tmp_path), str(write_dir), str(final), str(aside), b"{new}")
+    assert (final / RECORD_NAME).read_bytes() == b"{new}"
+    assert (aside / RECORD_NAME).read_bytes() == b"{damaged}"
+    assert (aside / QUARANTINE_NAME).exists()
+
+
+def test_commit_local_step_clears_remains_of_an_interrupted_delete(tmp_path: Path) -> None:
+    final = tmp_path / "step_000000000007"
+    final.mkdir()
+    (final / "__0_0.distcp").write_bytes(b"old")  # no record: never listed
+    write_dir = _write_dir_with_data(tmp_path, ".tmp-step_000000000007-abc")
+    commit_local_step(str(tmp_path), str(write_dir), str(final), str(tmp_path / "a"), b"{r}")
+    assert (final / "__0_0.distcp").read_bytes() == b"d" * 100

@@ -828,9 +828,10 @@ def test_a_program_that_ends_without_close_exits_and_stops_its_daemon(
 
 
 # -- file work between saves runs in the daemon ---------------------------------------------------
-def test_the_file_work_of_deleting_old_steps_goes_to_the_daemon(ckpt_dir: Path) -> None:
-    """Retention's deletions run through the storage's ``run_local_file_work``, which a
-    process-mode manager points at its daemon; each step still goes, and leaves nothing."""
+def test_the_file_work_of_committing_and_deleting_steps_goes_to_the_daemon(ckpt_dir: Path) -> None:
+    """Commits and retention's deletions run through the storage's ``run_local_file_work``,
+    which a process-mode manager points at its daemon; each old step still goes, and leaves
+    nothing."""
     ran: list[str] = []
     with process_manager(ckpt_dir, max_to_keep=1) as mgr:
         save_process = save_process_of(mgr)
@@ -844,7 +845,13 @@ def test_the_file_work_of_deleting_old_steps_goes_to_the_daemon(ckpt_dir: Path) 
             assert mgr.save_async(step, state)
             mgr.join()
         assert save_process.run_when_idle(os.getpid) == daemon_of(mgr).pid != os.getpid()
-        assert ran == ["delete_local_step", "delete_local_step"]
+        assert ran == [
+            "commit_local_step",
+            "commit_local_step",
+            "delete_local_step",
+            "commit_local_step",
+            "delete_local_step",
+        ]
         assert mgr.all_steps() == [3]
         assert sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir()) == [
             step_dir(ckpt_dir, 3).name
@@ -912,6 +919,52 @@ def test_a_daemon_that_dies_during_a_call_has_it_run_here_and_is_replaced(ckpt_d
         target = zeros_like_state(state)
         mgr.restore(2, target)
         assert differences(target, state) == []
+
+
+def test_a_save_over_a_quarantined_step_moves_it_aside_from_the_daemon(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = {"tensors": tensor_state(50, "base")}
+    again = {"tensors": tensor_state(51, "base")}
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, first)
+        mgr.join()
+        metadata = step_dir(ckpt_dir, 1) / ".metadata"
+        damaged = bytearray(metadata.read_bytes())
+        damaged[len(damaged) // 2] ^= 0x01
+        metadata.write_bytes(bytes(damaged))
+        assert mgr.restore_latest({"tensors": zeros_like_state(first)["tensors"]}) is None
+        assert mgr.all_steps() == []  # quarantined
+        with caplog.at_level(logging.WARNING, logger="ckptmgr.storage"):
+            assert mgr.save_async(1, again, force=True)
+            mgr.join()
+        warnings = [r.getMessage() for r in caplog.records if r.name == "ckptmgr.storage"]
+        assert any("moved quarantined step 1 aside" in message for message in warnings), warnings
+        target = zeros_like_state(again)
+        mgr.restore(1, target)
+        assert differences(target, again) == []
+    quarantined = CheckpointStorage(str(ckpt_dir)).quarantined()
+    assert [q.step for q in quarantined] == [1] and ".metadata" in quarantined[0].reason
+    assert quarantined[0].name.startswith("step_000000000001.quarantined-")
+
+
+def test_a_commit_the_daemon_refuses_raises_its_error_here(ckpt_dir: Path) -> None:
+    from ckptmgr.storage import AlreadyCommittedError, commit_local_step
+
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, {"tensors": tensor_state(52, "base")})
+        mgr.join()
+        write_dir = ckpt_dir / ".tmp-step_000000000001-other"
+        write_dir.mkdir()
+        final = step_dir(ckpt_dir, 1)
+        record = (final / "commit.json").read_bytes()
+        with pytest.raises(AlreadyCommittedError, match="another writer"):
+            save_process_of(mgr).run_when_idle(
+                commit_local_step, str(ckpt_dir), str(write_dir), str(final), "-", b"{}"
+            )
+        assert save_process_of(mgr).healthy
+        assert (final / "commit.json").read_bytes() == record
+        assert mgr.all_steps() == [1]
 
 
 class _Unpicklable(Exception):
