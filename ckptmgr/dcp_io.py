@@ -948,6 +948,31 @@ def make_writer(
     return writer
 
 
+class WriterRecipe:
+    """A DCP writer on its way to the checkpoint daemon: pickled as the arguments of
+    :func:`make_writer` (and its ``small_files``), made in the daemon as it reads the request.
+    The training process never builds the writer it does not write with."""
+
+    __slots__ = ("arguments", "small_files", "url_or_path")
+
+    def __init__(self, url_or_path: str, **arguments: Any) -> None:
+        self.url_or_path = url_or_path
+        self.arguments = arguments
+        self.small_files: Mapping[str, bytes] = {}
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_writer_from_recipe, (self.url_or_path, self.arguments, dict(self.small_files)))
+
+
+def _writer_from_recipe(
+    url_or_path: str, arguments: dict[str, Any], small_files: dict[str, bytes]
+) -> ChecksummingFileSystemWriter | RetryingFsspecWriter:
+    """In the daemon: the writer a :class:`WriterRecipe` describes."""
+    writer = make_writer(url_or_path, **arguments)
+    writer.small_files = small_files
+    return writer
+
+
 def make_reader(
     url_or_path: str,
     *,

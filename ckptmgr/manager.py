@@ -666,7 +666,8 @@ class CheckpointManager:
         if not request.staged and self._pack_filter is not None:  # save(): pack here
             tensors, request.packed = self._pack(tensors, group)
         try:  # every rank joins DCP's collectives, even after a local error, so none hangs
-            writer = dcp_io.make_writer(
+            make = dcp_io.WriterRecipe if in_daemon else dcp_io.make_writer  # (made there)
+            writer = make(
                 storage.url_for(write_dir),
                 local=storage.is_local,
                 thread_count=self.config.num_of_threads,
@@ -688,7 +689,7 @@ class CheckpointManager:
         if request.release_staging is not None:  # the staged bytes are written, or never will be
             request.tensors = tensors = {}
             request.release_staging()
-        if writer is not None:
+        if writer is not None and not in_daemon:
             checksums.update(writer.checksums.snapshot())
         if dcp_metadata is not None:  # every rank's files, as finish() saw them (in process
             # mode the only account: the writer that wrote them lived in the daemon)
