@@ -10,7 +10,10 @@ loop's median step time measured just before, with nothing running.
 Reported: the baseline step; blocking per save; steps per save; lost milliseconds per save (the
 summed excess of the steps, the blocking copy not counted); the share of the loop's time lost
 while the job ran (lost / (lost + steps x baseline)); the excess of the first steps after each
-``save_async``; and the excess by the time since ``save_async`` returned, in 5 ms slices.
+``save_async``; the excess by the time since ``save_async`` returned, in 5 ms slices; and the
+loop thread's time off its core during a save (wall time less the thread's CPU time: waiting for
+the GIL, or for a core), paired with the control's like the loss below. That part does not move
+with the machine's speed, which the rest of the loss does.
 
 The baseline is measured once, and this machine's speed drifts by more than the loss within a
 run. So after each save's job has ended, and as many steps again to let the kernel settle, the
@@ -260,6 +263,9 @@ def main() -> None:
         lost = 0.0
         control_excess = 0.0
         paired: list[float] = []  # per save: its steps' excess less the control's
+        # per save: the loop thread's time off its core (waiting for the GIL, or for a core)
+        # during the save's steps, less the same during the control's
+        off_core: list[float] = []
         lost_before = 0.0
         for step in range(1, args.saves + 1):
             torch.set_num_threads(threads)
@@ -269,6 +275,7 @@ def main() -> None:
             blocking.append(returned - started)
             torch.set_num_threads(1)
             index = 0
+            window_cpu = time.thread_time()
             while not saver.idle():
                 before = time.perf_counter()
                 loop.step()
@@ -282,6 +289,7 @@ def main() -> None:
                 index += 1
                 if after - returned > _LIMIT_S:
                     raise TimeoutError(f"a background save took over {_LIMIT_S} s")
+            window_off = time.perf_counter() - returned - (time.thread_time() - window_cpu)
             steps += index
             saver.join()
             # The same number of steps with nothing running, a moment later: what those steps
@@ -291,10 +299,13 @@ def main() -> None:
             for _ in range(index):
                 loop.step()
             control = 0.0
+            control_started, control_cpu = time.perf_counter(), time.thread_time()
             for _ in range(index):
                 before = time.perf_counter()
                 loop.step()
                 control += time.perf_counter() - before - baseline
+            control_off = time.perf_counter() - control_started
+            off_core.append(window_off - (control_off - (time.thread_time() - control_cpu)))
             control_excess += control
             paired.append(lost - lost_before - control)
             lost_before = lost
@@ -330,6 +341,7 @@ def main() -> None:
         / (statistics.median(paired) + busy / saves)
         if busy > 0
         else 0.0,
+        "paired_off_core_ms_median": statistics.median(off_core) * 1e3,
         "first_steps_excess_ms": [sum(e) / saves * 1e3 for e in first],
         "excess_ms_by_slice": {
             f"{k * 5}-{k * 5 + 5} ms": v / saves * 1e3 for k, v in sorted(slices.items())
@@ -351,6 +363,10 @@ def main() -> None:
         f"{result['paired_lost_share'] * 100:.0f}% of the loop's time while the job ran; median "
         f"over the saves {result['paired_lost_ms_median']:.2f} ms = "
         f"{result['paired_lost_share_median'] * 100:.0f}%"
+    )
+    print(
+        f"the loop thread's time off its core (waiting for the GIL or a core) during a save's "
+        f"steps, less during the control's: median {result['paired_off_core_ms_median']:.2f} ms"
     )
     firsts = ", ".join(f"{value:.2f}" for value in result["first_steps_excess_ms"])
     print(f"excess of the first steps after save_async returned, ms per save: {firsts}")
