@@ -66,8 +66,8 @@ from ckptmgr.integrity import (
     crc32_of_stream,
 )
 from ckptmgr.retry import Retrier, RetryConfig
-from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE
-from ckptmgr.storage import is_object_store, open_filesystem
+from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, LISTING_ATTRIBUTE
+from ckptmgr.storage import is_object_store, local_file_sizes, open_filesystem
 
 try:  # _StorageInfo (an item's file, offset and length) is private; stable since torch 2.0
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -418,7 +418,8 @@ class _RawTensorWriter:
         """DCP's finish (``.metadata``) on the coordinator; the sizes and CRC-32s of every
         rank's files (reported in their write results) go on ``metadata`` as
         ``CHECKSUMS_ATTRIBUTE``, which DCP hands back to every rank, even from a checkpoint
-        daemon process."""
+        daemon process; on a local disk, so does the listing of the write directory
+        (``LISTING_ATTRIBUTE``), which the commit record's file list is made from."""
         reported: dict[str, tuple[int, int]] = {}
         stored: list[list[WriteResult]] = []
         for rank_results in results:
@@ -432,6 +433,8 @@ class _RawTensorWriter:
         if self.checksums is not None:
             reported.update(self.checksums.snapshot())
         setattr(metadata, CHECKSUMS_ATTRIBUTE, reported)
+        if isinstance(self, ChecksummingFileSystemWriter):  # every file is written by now
+            setattr(metadata, LISTING_ATTRIBUTE, local_file_sizes(str(self.path)))
 
     def _write_file(
         self, planner: SavePlanner, name: str, items: list[WriteItem]

@@ -545,7 +545,7 @@ class CheckpointStorage:
     def list_files(self, path: str) -> list[FileEntry]:
         """Every file under ``path`` with its size, relative to ``path``."""
         if self.is_local:
-            sizes = _local_file_sizes(path)
+            sizes = local_file_sizes(path)
         else:
             sizes = {name: int(info.get("size") or 0) for name, info in self._find(path).items()}
         return [FileEntry(path=relative, size=size) for relative, size in sorted(sizes.items())]
@@ -879,7 +879,7 @@ def json_bytes(payload: Any) -> bytes:
     return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _local_file_sizes(path: str) -> dict[str, int]:
+def local_file_sizes(path: str) -> dict[str, int]:
     """Every entry under the local directory ``path`` other than a directory, by its
     ``/``-separated path relative to ``path``, with its size, as fsspec's ``find`` lists them
     (a symbolic link is listed, not descended, with its target's size, 0 when it has none):

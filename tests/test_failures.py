@@ -517,14 +517,19 @@ def test_a_written_file_that_storage_no_longer_holds_fails_the_commit(
 ) -> None:
     """A data file its writer wrote but that the listing before the commit does not show (lost,
     or deleted by someone else) fails the save: the step used to commit without it in the
-    record, and restore then failed on it. Fault injection: the listing leaves it out."""
-    original = CheckpointStorage.list_files
+    record, and restore then failed on it. Fault injection: the listing leaves it out (a local
+    save lists its write directory in the DCP writer's finish, once every file is written)."""
+    import ckptmgr.dcp_io
+    import ckptmgr.storage
 
-    def losing_the_data_file(self: CheckpointStorage, path: str) -> Any:
-        return [entry for entry in original(self, path) if not entry.path.endswith(".distcp")]
+    original = ckptmgr.storage.local_file_sizes
+
+    def losing_the_data_file(path: str) -> dict[str, int]:
+        return {name: size for name, size in original(path).items() if ".distcp" not in name}
 
     with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
-        monkeypatch.setattr(CheckpointStorage, "list_files", losing_the_data_file)
+        monkeypatch.setattr(ckptmgr.dcp_io, "local_file_sizes", losing_the_data_file)
+        monkeypatch.setattr(ckptmgr.storage, "local_file_sizes", losing_the_data_file)
         with pytest.raises(CheckpointError, match=r"__0_0\.distcp was written but storage"):
             mgr.save(1, make_state(1))
         monkeypatch.undo()

@@ -967,6 +967,28 @@ def test_a_commit_the_daemon_refuses_raises_its_error_here(ckpt_dir: Path) -> No
         assert mgr.all_steps() == [1]
 
 
+def test_the_record_lists_the_files_as_the_daemon_listed_them(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local save's write directory is listed by the DCP writer once every file is written:
+    in process mode by the daemon, so the training process lists nothing (made to fail here)."""
+
+    def no_listing_here(self: CheckpointStorage, path: str) -> Any:
+        raise AssertionError(f"listed {path} in the training process")
+
+    state = {"tensors": tensor_state(53, "base")}
+    with process_manager(ckpt_dir) as mgr:
+        monkeypatch.setattr(CheckpointStorage, "list_files", no_listing_here)
+        assert mgr.save_async(1, state)
+        mgr.join()
+        monkeypatch.undo()
+        record = read_record(ckpt_dir, 1)
+        assert checksum_problems(step_dir(ckpt_dir, 1), record) == []
+        target = zeros_like_state(state)
+        mgr.restore(1, target)
+        assert differences(target, state) == []
+
+
 class _Unpicklable(Exception):
     def __reduce__(self) -> Any:
         raise TypeError("not picklable")
