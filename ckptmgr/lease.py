@@ -593,9 +593,8 @@ def _lock_record(path: str) -> int | None:
 
 def _read(fs: AbstractFileSystem, path: str) -> Owner | None:
     """The record at ``path``, None if absent; a damaged record counts as absent-but-taken."""
-    fs.invalidate_cache(path)
     try:
-        data = fs.cat_file(path)
+        data = _read_file(fs, path)
     except FileNotFoundError:
         return None
     try:
@@ -613,6 +612,23 @@ def _read(fs: AbstractFileSystem, path: str) -> Owner | None:
             heartbeat=0.0,
             timeout_s=DEFAULT_TIMEOUT_S,
         )
+
+
+def _read_file(fs: AbstractFileSystem, path: str) -> bytes:
+    """The bytes of ``path``, read fresh. On a local disk with the system calls themselves:
+    four, where fsspec's ``cat_file`` makes eleven, each a hand-over of the GIL with a
+    Python-bound training loop (the lease is read before every deletion by retention)."""
+    if type(fs) is not LocalFileSystem:
+        fs.invalidate_cache(path)
+        return bytes(fs.cat_file(path))
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
 
 
 def _create_only(fs: AbstractFileSystem, path: str, data: bytes) -> None:

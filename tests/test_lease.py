@@ -485,6 +485,25 @@ def test_damaged_record_is_taken_over(root: Path) -> None:
         read_owner(LocalFileSystem(), str(root))
 
 
+def test_confirming_a_local_lease_reads_the_record_without_fsspec(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention confirms the lease before every deletion: on a local disk the record is read
+    with four system calls, not through fsspec's ``cat_file`` (made to fail here). A take-over
+    written meanwhile is still found."""
+    with lease_of(root, job_id="me") as lease:
+
+        def no_fsspec(*args: object, **kwargs: object) -> bytes:
+            raise AssertionError("read through fsspec")
+
+        monkeypatch.setattr(LocalFileSystem, "cat_file", no_fsspec)
+        lease.confirm()
+        theirs = dict(record(root), lease_id="someone-else")
+        (root / LEASE_NAME).write_text(json.dumps(theirs))
+        with pytest.raises(LeaseLostError):
+            lease.confirm()
+
+
 def test_heartbeat_thread_refreshes_the_record(root: Path) -> None:
     with lease_of(root, job_id="me", heartbeat_interval_s=0.05) as lease:
         first = float(record(root)["heartbeat"])  # type: ignore[arg-type]
