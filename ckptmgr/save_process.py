@@ -20,9 +20,9 @@ daemon returns DCP's metadata with the sizes and CRC-32s of the files it wrote
 (``CHECKSUMS_ATTRIBUTE``). A daemon that died (killed, out of memory) fails the save that was
 running; the next save starts a new one. Everything else of a save (the commit, retention's
 decisions) stays in the training process; only file work that follows from them may be handed
-to the daemon between saves (:meth:`SaveProcess.run_when_idle`: on a local disk, writing the
-commit record and renaming the step into place, and deleting the steps retention let go of), so
-that its system calls do not hand the training process's GIL back and forth.
+to the daemon between saves (:meth:`SaveProcess.run_when_idle`: on a local disk, deleting the
+steps retention let go of), so that its system calls do not hand the training process's GIL back
+and forth.
 """
 
 from __future__ import annotations

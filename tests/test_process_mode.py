@@ -828,10 +828,10 @@ def test_a_program_that_ends_without_close_exits_and_stops_its_daemon(
 
 
 # -- file work between saves runs in the daemon ---------------------------------------------------
-def test_the_file_work_of_committing_and_deleting_steps_goes_to_the_daemon(ckpt_dir: Path) -> None:
-    """Commits and retention's deletions run through the storage's ``run_local_file_work``,
-    which a process-mode manager points at its daemon; each old step still goes, and leaves
-    nothing."""
+def test_the_file_work_of_deleting_old_steps_goes_to_the_daemon(ckpt_dir: Path) -> None:
+    """Retention's deletions run through the storage's ``run_local_file_work``, which a
+    process-mode manager points at its daemon; each old step still goes, and leaves nothing.
+    (The commit's file work stays in the training process: see storage.commit_local_step.)"""
     ran: list[str] = []
     with process_manager(ckpt_dir, max_to_keep=1) as mgr:
         save_process = save_process_of(mgr)
@@ -845,13 +845,7 @@ def test_the_file_work_of_committing_and_deleting_steps_goes_to_the_daemon(ckpt_
             assert mgr.save_async(step, state)
             mgr.join()
         assert save_process.run_when_idle(os.getpid) == daemon_of(mgr).pid != os.getpid()
-        assert ran == [
-            "commit_local_step",
-            "commit_local_step",
-            "delete_local_step",
-            "commit_local_step",
-            "delete_local_step",
-        ]
+        assert ran == ["delete_local_step", "delete_local_step"]
         assert mgr.all_steps() == [3]
         assert sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir()) == [
             step_dir(ckpt_dir, 3).name
@@ -921,7 +915,7 @@ def test_a_daemon_that_dies_during_a_call_has_it_run_here_and_is_replaced(ckpt_d
         assert differences(target, state) == []
 
 
-def test_a_save_over_a_quarantined_step_moves_it_aside_from_the_daemon(
+def test_a_save_over_a_quarantined_step_moves_it_aside_in_process_mode(
     ckpt_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     first = {"tensors": tensor_state(50, "base")}
@@ -949,6 +943,7 @@ def test_a_save_over_a_quarantined_step_moves_it_aside_from_the_daemon(
 
 
 def test_a_commit_the_daemon_refuses_raises_its_error_here(ckpt_dir: Path) -> None:
+    """A ckptmgr error raised by a call in the daemon arrives as itself; the daemon stays."""
     from ckptmgr.storage import AlreadyCommittedError, commit_local_step
 
     with process_manager(ckpt_dir) as mgr:
