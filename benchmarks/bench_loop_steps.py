@@ -34,7 +34,11 @@ writeback and journal), which no checkpointer that writes the state can avoid.
 
 ``--pin`` (Linux, two CPUs or more) runs the loop alone on CPU 0 and everything else (ckptmgr's
 threads, the checkpoint daemon in process mode) on CPU 1: what remains of the loss then is not
-competition for a core.
+competition for a core. ``--loop-cpu N`` pins the loop's thread alone to CPU N and leaves the rest
+to the kernel. Where the loop runs matters on machines whose disk interrupts all go to one CPU
+(``/proc/irq/<n>/effective_affinity_list``; CPU 1 on the 2-core machine of docs/benchmarks.md):
+a loop on that CPU is preempted by the completion of the save's writes (the block layer's
+high-priority kworker), one elsewhere is not, and unpinned runs land on either.
 
 Usage::
 
@@ -216,6 +220,12 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=60)
     parser.add_argument("--pin", action="store_true", help="the loop alone on CPU 0")
     parser.add_argument(
+        "--loop-cpu",
+        type=int,
+        default=None,
+        help="pin the loop's thread (only) to this CPU; the rest runs where the kernel puts it",
+    )
+    parser.add_argument(
         "--kept", type=int, default=0, help="steps committed before, all kept (max_to_keep=0)"
     )
     parser.add_argument(
@@ -254,6 +264,8 @@ def main() -> None:
         saver.save_async(first_step)  # allocates the staging, starts the daemon
         saver.join()
         children = pin_loop_alone(threading.get_native_id()) if args.pin else []
+        if args.loop_cpu is not None:
+            os.sched_setaffinity(threading.get_native_id(), {args.loop_cpu})
         torch.set_num_threads(1)
         baseline = loop.baseline(300)
         blocking: list[float] = []
@@ -321,6 +333,7 @@ def main() -> None:
         "mode": args.mode,
         "loop": args.loop,
         "pinned": args.pin,
+        "loop_cpu": args.loop_cpu,
         "kept_before": args.kept,
         "max_to_keep": saver.manager.config.max_to_keep
         if isinstance(saver, ManagerSaver)
@@ -349,6 +362,7 @@ def main() -> None:
     }
     print(
         f"{work.name}, {args.mode} mode, {args.loop} loop{', pinned' if args.pin else ''}"
+        f"{f', loop on CPU {args.loop_cpu}' if args.loop_cpu is not None else ''}"
         f"{f', {args.kept} steps kept before' if args.kept else ''}: "
         f"baseline step {result['baseline_step_ms']:.3f} ms "
         f"({result['baseline_step_after_ms']:.3f} ms after); blocking {result['blocking_ms']:.1f} "
