@@ -67,7 +67,7 @@ from ckptmgr.integrity import (
 )
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, LISTING_ATTRIBUTE
-from ckptmgr.storage import is_object_store, local_file_sizes, open_filesystem
+from ckptmgr.storage import is_object_store, local_file_sizes, open_filesystem, write_synced
 
 try:  # _StorageInfo (an item's file, offset and length) is private; stable since torch 2.0
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -279,14 +279,7 @@ class ChecksummingFileSystem(FileSystem):
 
     def write_small_file(self, path: str | os.PathLike[str], data: bytes) -> None:
         """Write ``data`` to a new file at ``path`` and fsync it; its checksum is logged."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_synced(os.fspath(path), data)
         if self.checksums is not None:
             self.checksums.add(_relative(self.root, path), len(data), crc32(data))
 

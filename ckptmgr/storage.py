@@ -799,7 +799,7 @@ def commit_local_step(root: str, path: str, final: str, aside: str, record: byte
     if not os.path.exists(path) and _holds_bytes(final_record, record):
         _fsync_dir(root)
         return False
-    _write_synced(os.path.join(path, RECORD_NAME), record)
+    write_synced(os.path.join(path, RECORD_NAME), record)
     _fsync_dir(path)
     moved_aside = False
     if os.path.exists(os.path.join(final, QUARANTINE_NAME)) and os.path.exists(final_record):
@@ -815,7 +815,7 @@ def commit_local_step(root: str, path: str, final: str, aside: str, record: byte
     return moved_aside
 
 
-def _write_synced(path: str, data: bytes) -> None:
+def write_synced(path: str, data: bytes) -> None:
     """Write ``data`` as the file ``path`` (created or truncated) and fsync it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
