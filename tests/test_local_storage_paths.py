@@ -113,8 +113,8 @@ def test_commit_local_step_writes_the_record_and_renames(tmp_path: Path) -> None
 
 
 def test_commit_local_step_run_again_after_it_was_done_is_done(tmp_path: Path) -> None:
-    """A daemon killed after the rename has the call run again in the training process: the
-    step holding this very record is this commit, done; another record there is not."""
+    """Run again after it got past the rename (as a caller that retries an interrupted commit
+    would), the step holding this very record is this commit, done; another record is not."""
     write_dir = _write_dir_with_data(tmp_path, ".tmp-step_000000000007-abc")
     final = tmp_path / "step_000000000007"
     args = (str(tmp_path), str(write_dir), str(final), str(tmp_path / "aside"))
