@@ -450,27 +450,13 @@ class CheckpointStorage:
             reason, when = f"(quarantine marker unreadable: {exc})", None
         return Quarantined(step=step, name=name, reason=reason, quarantined_at=when)
 
-    def _is_quarantined(self, step_path: str) -> bool:
-        if self.is_local:
-            return os.path.exists(os.path.join(step_path, QUARANTINE_NAME))
-        target = f"{step_path}/{QUARANTINE_NAME}"
-
-        def fresh_exists() -> bool:
-            self.fs.invalidate_cache(target)
-            return bool(self.fs.exists(target))
-
-        return self._call(f"check {target}", fresh_exists)
-
     def _move_quarantined_aside(self, step: int) -> None:
         """Move a quarantined ``step_<N>/`` to ``step_<N>.quarantined-<ns>/`` (kept, unlisted),
-        so that a new save can take its name."""
+        so that a new save can take its name: on remote stores (a local commit renames it aside
+        itself: :func:`commit_local_step`)."""
         source = self.step_path(step)
         target = self.path(f"{step_dir_name(step)}.quarantined-{time.time_ns()}")
         log.warning("moving quarantined step %d aside to %s before saving it again", step, target)
-        if self.is_local:
-            os.rename(source, target)
-            _fsync_dir(self.root)
-            return
         files = sorted(self._find(source))
         for name in files:  # copy everything, the record and the marker last, then delete
             if name not in (RECORD_NAME, QUARANTINE_NAME):
@@ -534,10 +520,7 @@ class CheckpointStorage:
 
     def _write_bytes(self, path: str, data: bytes) -> None:
         if self.is_local:
-            with open(path, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+            write_synced(path, data)
         else:
             self._call(f"write {path}", self.fs.pipe_file, path, data)
 
