@@ -26,7 +26,7 @@ import tempfile
 import threading
 import warnings
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,7 +66,7 @@ from ckptmgr.integrity import (
     crc32_of_stream,
 )
 from ckptmgr.retry import Retrier, RetryConfig
-from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, LISTING_ATTRIBUTE
+from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, COMMITTED_ATTRIBUTE, LISTING_ATTRIBUTE
 from ckptmgr.storage import is_object_store, local_file_sizes, open_filesystem, write_synced
 
 try:  # _StorageInfo (an item's file, offset and length) is private; stable since torch 2.0
@@ -377,6 +377,11 @@ class _RawTensorWriter:
     small_files: Mapping[str, bytes] = MappingProxyType({})
     """Files of this rank that the writer writes beside its data files (name -> bytes; the
     objects file, written from the checkpoint daemon in process mode): local writers only."""
+    commit: Callable[[dcp_metadata.Metadata], Any] | None = None
+    """Called by :meth:`finish` with the finished metadata (listing and checksums on it) to
+    commit the step where it was written; what it returns goes on the metadata as
+    ``COMMITTED_ATTRIBUTE`` (a :class:`ckptmgr.daemon_commit.DaemonCommit`: local, single
+    process saves in the checkpoint daemon)."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         for small_name, data in self.small_files.items():  # (the directory exists by now)
@@ -428,6 +433,8 @@ class _RawTensorWriter:
         setattr(metadata, CHECKSUMS_ATTRIBUTE, reported)
         if isinstance(self, ChecksummingFileSystemWriter):  # every file is written by now
             setattr(metadata, LISTING_ATTRIBUTE, local_file_sizes(str(self.path)))
+        if self.commit is not None:
+            setattr(metadata, COMMITTED_ATTRIBUTE, self.commit(metadata))
 
     def _write_file(
         self, planner: SavePlanner, name: str, items: list[WriteItem]
@@ -949,23 +956,29 @@ class WriterRecipe:
     :func:`make_writer` (and its ``small_files``), made in the daemon as it reads the request.
     The training process never builds the writer it does not write with."""
 
-    __slots__ = ("arguments", "small_files", "url_or_path")
+    __slots__ = ("arguments", "commit", "small_files", "url_or_path")
 
     def __init__(self, url_or_path: str, **arguments: Any) -> None:
         self.url_or_path = url_or_path
         self.arguments = arguments
         self.small_files: Mapping[str, bytes] = {}
+        self.commit: Callable[[dcp_metadata.Metadata], Any] | None = None
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (_writer_from_recipe, (self.url_or_path, self.arguments, dict(self.small_files)))
+        arguments = (self.url_or_path, self.arguments, dict(self.small_files), self.commit)
+        return (_writer_from_recipe, arguments)
 
 
 def _writer_from_recipe(
-    url_or_path: str, arguments: dict[str, Any], small_files: dict[str, bytes]
+    url_or_path: str,
+    arguments: dict[str, Any],
+    small_files: dict[str, bytes],
+    commit: Callable[[dcp_metadata.Metadata], Any] | None,
 ) -> ChecksummingFileSystemWriter | RetryingFsspecWriter:
     """In the daemon: the writer a :class:`WriterRecipe` describes."""
     writer = make_writer(url_or_path, **arguments)
     writer.small_files = small_files
+    writer.commit = commit
     return writer
 
 

@@ -34,8 +34,10 @@ deletes a record written between its read and its write.
 
 Limits: the lease detects misconfiguration, it is no lock service. Between two heartbeats a
 writer that lost the lease can still commit one step (once its heartbeat has found the loss, it
-commits and deletes nothing more); "stale" compares the record's time with
-the local clock, so hosts with skewed clocks need a ``timeout_s`` above the skew. Object stores
+commits and deletes nothing more; the checkpoint daemon of a single-process save on a local
+disk reads the record before it commits: :class:`LocalOwnerCheck`); "stale" compares the
+record's time with the local clock, so hosts with skewed clocks need a ``timeout_s`` above the
+skew. Object stores
 have no such lock: a heartbeat whose read came just before a take-over's write can still
 overwrite it (a window of one storage round trip); the new owner then finds the loss at its
 own next heartbeat, and its saves fail with :class:`LeaseLostError`.
@@ -236,15 +238,11 @@ class _Holding:
         """Read the record now; remember and raise the loss unless it is still ours."""
         if self.lost is not None:
             raise self.lost
-        current = _read(self.fs, self.path)
-        if current is None or current.lease_id != self.owner.lease_id:
-            now = time.time()
-            by = "nobody (the record was deleted)" if current is None else current.describe(now)
-            self.lost = LeaseLostError(
-                f"the owner lease of {self.path} was taken over by {by}; this process must "
-                "stop writing checkpoints there"
-            )
-            raise self.lost
+        try:
+            confirm_owner(self.fs, self.path, self.owner.lease_id)
+        except LeaseLostError as exc:
+            self.lost = exc
+            raise
 
     def refresh(self) -> None:
         """Rewrite the heartbeat if the record is still ours; else remember and raise the loss.
@@ -493,6 +491,23 @@ class OwnerLease:
         if holding is not None:
             holding.confirm()
 
+    def note_lost(self, error: LeaseLostError) -> None:
+        """Remember a loss that another process found (the checkpoint daemon, reading the
+        record before a commit): :meth:`check` raises it from now on, as if the heartbeat had
+        found it."""
+        holding = self._own_holding()
+        if holding is not None and holding.lost is None:
+            holding.lost = error
+
+    def local_check(self) -> LocalOwnerCheck | None:
+        """What reads this lease's record on a local disk and raises :class:`LeaseLostError`
+        unless it is still this lease's, from any process (the checkpoint daemon, just before
+        it commits); None when nothing is held or the record is not on a local disk."""
+        holding = self._own_holding()
+        if holding is None or type(holding.fs) is not LocalFileSystem:
+            return None
+        return LocalOwnerCheck(holding.path, holding.owner.lease_id)
+
     def release(self) -> None:
         """Give the lease back: delete the record if it is still ours. Idempotent. In a forked
         child of the holding process it only forgets the holding: the lease is the parent's."""
@@ -522,6 +537,31 @@ class OwnerLease:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+def confirm_owner(fs: AbstractFileSystem, path: str, lease_id: str) -> None:
+    """Read the owner record at ``path`` now and raise :class:`LeaseLostError` unless it is the
+    lease ``lease_id``'s."""
+    current = _read(fs, path)
+    if current is None or current.lease_id != lease_id:
+        now = time.time()
+        by = "nobody (the record was deleted)" if current is None else current.describe(now)
+        raise LeaseLostError(
+            f"the owner lease of {path} was taken over by {by}; this process must stop writing "
+            "checkpoints there"
+        )
+
+
+@dataclass(frozen=True)
+class LocalOwnerCheck:
+    """:func:`confirm_owner` of one lease on a local disk, to be sent to another process."""
+
+    path: str
+    lease_id: str
+
+    def __call__(self) -> None:
+        """Raise :class:`LeaseLostError` unless the record is still the lease's (read now)."""
+        confirm_owner(LocalFileSystem(), self.path, self.lease_id)
 
 
 def _lease_path(root: str) -> str:

@@ -24,22 +24,35 @@ from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter, FailureHandover
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
+from ckptmgr.daemon_commit import DaemonCommit, DaemonCommitResult
 from ckptmgr.device_sync import wait_for_devices, wait_for_queued_work
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptmgr.gc_pause import gc_paused
 from ckptmgr.integrity import expected_files, raise_problems
-from ckptmgr.lease import OwnerLease
+from ckptmgr.lease import LeaseLostError, OwnerLease
 from ckptmgr.pack_read_ahead import PackReadAhead
 from ckptmgr.packing import PACK_KEY, PackedTensor
 from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNotice
 from ckptmgr.prefetch import Prefetch
-from ckptmgr.record import CommitRecord, FileEntry, TensorEntry, is_raw, utc_now
+from ckptmgr.record import (
+    CommitRecord,
+    FileEntry,
+    files_with_checksums,
+    is_raw,
+    tensor_entries,
+    utc_now,
+)
 from ckptmgr.retry import RetryConfig
 from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
-from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, LISTING_ATTRIBUTE, SaveProcess
+from ckptmgr.save_process import (
+    CHECKSUMS_ATTRIBUTE,
+    COMMITTED_ATTRIBUTE,
+    LISTING_ATTRIBUTE,
+    SaveProcess,
+)
 from ckptmgr.staging import StagingBuffers, StagingPool
 from ckptmgr.state import RestorePlan, flatten, plan_restore
-from ckptmgr.storage import CheckpointStorage, json_bytes, objects_file_name
+from ckptmgr.storage import CheckpointStorage, json_bytes, log_moved_aside, objects_file_name
 
 log = logging.getLogger("ckptmgr")
 
@@ -657,6 +670,7 @@ class CheckpointManager:
             local_error = local_error or exc
         dcp_metadata = None
         writer = None
+        daemon_commit: DaemonCommit | None = None  # the commit, made by the daemon's writer
         in_daemon = self._save_process is not None and request.staged
         if in_daemon and comm.distributed:  # daemons are replaced on every rank or on none
             assert self._save_process is not None
@@ -675,6 +689,9 @@ class CheckpointManager:
                 retry=storage.retry,
             )
             writer.small_files = small_files
+            if in_daemon and storage.is_local and not comm.distributed and local_error is None:
+                assert isinstance(writer, dcp_io.WriterRecipe)
+                writer.commit = daemon_commit = self._daemon_commit(request, save_id, write_dir)
             if in_daemon:
                 assert self._save_process is not None
                 dcp_metadata = self._save_process.save(  # (replaced above, when distributed)
@@ -699,7 +716,12 @@ class CheckpointManager:
 
         outcome = _SaveOutcome(committed=False, error=None, deleted=[])
         commit_error: Exception | None = None
-        if comm.is_coordinator:
+        if daemon_commit is not None and local_error is None:  # (non-distributed: rank 0)
+            committed: DaemonCommitResult = getattr(dcp_metadata, COMMITTED_ATTRIBUTE)
+            outcome = self._after_daemon_commit(request, daemon_commit, committed)
+        elif comm.is_coordinator:
+            if isinstance(local_error, LeaseLostError) and self._lease is not None:
+                self._lease.note_lost(local_error)  # found by the daemon: no more saves either
             written: dict[str, tuple[int, int]] = {}
             for _, rank_checksums in gathered:
                 written.update(rank_checksums)
@@ -801,7 +823,7 @@ class CheckpointManager:
             return _SaveOutcome(committed=False, error=described, deleted=[]), None
         try:
             with gc_paused():  # the first save of a layout makes an entry per packed tensor
-                entries = _tensor_entries(dcp_metadata)
+                entries = tensor_entries(dcp_metadata)
                 table = self._record_tables.table(entries, request.packed)
             record = CommitRecord(
                 step=request.step,
@@ -810,7 +832,7 @@ class CheckpointManager:
                 world_size=self._comm.world_size,
                 metrics=request.metrics,
                 metadata=request.metadata,
-                files=_with_checksums(self._written_files(write_dir, dcp_metadata), written),
+                files=files_with_checksums(self._written_files(write_dir, dcp_metadata), written),
                 object_files=[objects_file_name(r) for r in range(self._comm.world_size)],
                 ckptmgr_version=__version__,
                 torch_version=torch.__version__,
@@ -821,19 +843,65 @@ class CheckpointManager:
                 self._lease.check()
             self._storage.commit(request.step, write_dir, record)
             if self._policy is not None:  # (without one, no plan reads the records)
-                self._records.remember(record)
+                self._records.remember(
+                    retention.CheckpointInfo(record.step, record.committed_at, record.metrics)
+                )
         except Exception as exc:
             log.error("commit of step %d failed", request.step, exc_info=exc)
             outcome = _SaveOutcome(committed=False, error=f"commit failed: {exc!r}", deleted=[])
             return outcome, exc
+        return self._plan_after_commit(request.step, None), None
+
+    def _daemon_commit(self, request: _SaveRequest, save_id: str, write_dir: str) -> DaemonCommit:
+        """The commit of ``request``'s step for the daemon's writer to make once it has written
+        the step (a single-process save on a local disk)."""
+        assert self._save_process is not None
+        storage, step = self._storage, request.step
+        return DaemonCommit(
+            root=storage.root,
+            write_dir=write_dir,
+            final=storage.step_path(step),
+            aside=storage.aside_path(step),
+            fields={
+                "step": step,
+                "save_id": save_id,
+                "world_size": 1,
+                "metrics": request.metrics,
+                "metadata": request.metadata,
+                "object_files": [objects_file_name(0)],
+                "ckptmgr_version": __version__,
+                "torch_version": torch.__version__,
+                "byteorder": sys.byteorder,
+            },
+            layout=self._save_process.kept_in_daemon("pack layout", request.packed),
+            confirm_owner=None if self._lease is None else self._lease.local_check(),
+        )
+
+    def _after_daemon_commit(
+        self, request: _SaveRequest, commit: DaemonCommit, result: DaemonCommitResult
+    ) -> _SaveOutcome:
+        """What follows the commit the daemon made: the step remembered for retention, and
+        retention's plan over the steps the daemon listed after the commit."""
+        step = request.step
+        if result.moved_aside:
+            log_moved_aside(step, commit.aside)
+        if self._policy is not None:  # (without one, no plan reads the records)
+            self._records.remember(
+                retention.CheckpointInfo(step, result.committed_at, request.metrics)
+            )
+        return self._plan_after_commit(step, result.listed)
+
+    def _plan_after_commit(self, step: int, listed: list[int] | None) -> _SaveOutcome:
+        """The outcome of a committed save: retention's plan after it (over ``listed``, the
+        committed steps in storage now; listed here when None)."""
         try:
             if self._lease is not None:  # another job owns the root now: delete none of its
                 self._lease.check()  # steps (the step just committed is this job's last)
-            listed, deleted = self._plan_retention(request.step)
+            listed, deleted = self._plan_retention(step, listed)
         except Exception as exc:  # the step is committed; pruning waits for the next save
-            log.error("retention after step %d failed; nothing deleted", request.step, exc_info=exc)
+            log.error("retention after step %d failed; nothing deleted", step, exc_info=exc)
             listed, deleted = None, []
-        return _SaveOutcome(committed=True, error=None, deleted=deleted, listed=listed), None
+        return _SaveOutcome(committed=True, error=None, deleted=deleted, listed=listed)
 
     def _written_files(self, write_dir: str, dcp_metadata: Any) -> list[FileEntry]:
         """Every file in ``write_dir``: as the writer listed it once every file was written
@@ -844,11 +912,16 @@ class CheckpointManager:
             return self._storage.list_files(write_dir)
         return [FileEntry(path=name, size=size) for name, size in sorted(listed.items())]
 
-    def _plan_retention(self, just_committed: int) -> tuple[list[int], list[int]]:
-        """(committed steps in storage, steps retention deletes) after a commit, on rank 0."""
+    def _plan_retention(
+        self, just_committed: int, listed: list[int] | None
+    ) -> tuple[list[int], list[int]]:
+        """(committed steps in storage, steps retention deletes) after a commit, on rank 0
+        (``listed``: the committed steps, listed just now; else listed here)."""
         with self._lock:
             being_written = self._in_flight | {just_committed}
-        listed, doomed = pruning.list_and_plan_deletions(self._policy, self._records, being_written)
+        listed, doomed = pruning.list_and_plan_deletions(
+            self._policy, self._records, being_written, listed
+        )
         dry_run = self.config.retention_dry_run
         pruning.log_deletions(doomed, dry_run=dry_run)
         return listed, [] if dry_run else [decision.step for decision in doomed]
@@ -1296,47 +1369,6 @@ def _require_str_keys(value: Any, path: str) -> None:
 
 def _nothing() -> None:
     """Does nothing (the default after-load step of a restore)."""
-
-
-def _tensor_entries(dcp_metadata: Any) -> dict[str, TensorEntry]:
-    entries = {}
-    for key, item in dcp_metadata.state_dict_metadata.items():
-        properties = getattr(item, "properties", None)
-        if properties is None:
-            continue
-        entries[key] = TensorEntry.trusted(
-            str(properties.dtype).removeprefix("torch."), list(item.size)
-        )
-    return entries
-
-
-def _with_checksums(
-    listed: list[FileEntry], written: Mapping[str, tuple[int, int]]
-) -> list[FileEntry]:
-    """The listed files with the CRC-32 their writer computed; a file written but not listed,
-    or listed with another size than written, means the store lost or changed bytes (or
-    something deleted them), and the step is not committed."""
-    missing = sorted(set(written) - {entry.path for entry in listed})
-    if missing:
-        raise CorruptCheckpointError(
-            f"{missing[0]} was written but storage does not hold it"
-            + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""),
-            path=missing[0],
-        )
-    entries = []
-    for entry in listed:
-        known = written.get(entry.path)
-        if known is None:
-            entries.append(entry)
-            continue
-        size, crc = known
-        if size != entry.size:
-            raise CorruptCheckpointError(
-                f"{entry.path} was written with {size} bytes but storage holds {entry.size}",
-                path=entry.path,
-            )
-        entries.append(FileEntry(path=entry.path, size=entry.size, crc32=crc))
-    return entries
 
 
 def _unwrap_dcp_error(error: BaseException) -> BaseException:

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ckptmgr.errors import CheckpointError
-from ckptmgr.record import CommitRecord
 from ckptmgr.retention import (
     CheckpointInfo,
     RetentionDecision,
@@ -49,11 +48,9 @@ class RecordReader:
     storage: CheckpointStorage
     _cache: dict[int, CheckpointInfo] = field(default_factory=dict)
 
-    def remember(self, record: CommitRecord) -> None:
-        """Take the record just committed from memory instead of reading it back."""
-        self._cache[record.step] = CheckpointInfo(
-            record.step, record.committed_at, dict(record.metrics)
-        )
+    def remember(self, info: CheckpointInfo) -> None:
+        """Take what the record just committed says from memory instead of reading it back."""
+        self._cache[info.step] = info
 
     def infos(self, steps: Iterable[int]) -> tuple[list[CheckpointInfo], dict[int, str]]:
         """The infos of ``steps``, and the steps whose record could not be read (with why)."""
@@ -96,10 +93,14 @@ def list_and_plan_deletions(
     policy: RetentionPolicy | None,
     reader: RecordReader,
     being_written: Iterable[int] = (),
+    listed: list[int] | None = None,
 ) -> tuple[list[int], list[RetentionDecision]]:
     """What :func:`plan` lists and the decisions of it that delete, without explaining the steps
-    that are kept (what runs after every commit). Without a policy only the listing is made."""
-    listed = reader.storage.committed_steps()
+    that are kept (what runs after every commit). Without a policy only the listing is made.
+    ``listed``: the committed steps, listed from storage just now by the caller (else listed
+    here)."""
+    if listed is None:
+        listed = reader.storage.committed_steps()
     if policy is None:
         return listed, []
     infos, _ = reader.infos(listed)  # a step whose record cannot be read is kept

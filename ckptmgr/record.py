@@ -32,8 +32,10 @@ __all__ = [
     "NewerFormatError",
     "TensorEntry",
     "TensorTable",
+    "files_with_checksums",
     "is_raw",
     "record_bytes",
+    "tensor_entries",
     "utc_now",
 ]
 
@@ -261,3 +263,45 @@ def is_raw(record: CommitRecord) -> bool:
 def utc_now() -> _dt.datetime:
     """The current time, timezone-aware in UTC."""
     return _dt.datetime.now(_dt.timezone.utc)
+
+
+def tensor_entries(dcp_metadata: Any) -> dict[str, TensorEntry]:
+    """The tensors DCP stored (name -> dtype and global shape), from its metadata."""
+    entries = {}
+    for key, item in dcp_metadata.state_dict_metadata.items():
+        properties = getattr(item, "properties", None)
+        if properties is None:
+            continue
+        entries[key] = TensorEntry.trusted(
+            str(properties.dtype).removeprefix("torch."), list(item.size)
+        )
+    return entries
+
+
+def files_with_checksums(
+    listed: list[FileEntry], written: Mapping[str, tuple[int, int]]
+) -> list[FileEntry]:
+    """The listed files with the CRC-32 their writer computed; a file written but not listed,
+    or listed with another size than written, means the store lost or changed bytes (or
+    something deleted them), and the step is not committed."""
+    missing = sorted(set(written) - {entry.path for entry in listed})
+    if missing:
+        raise CorruptCheckpointError(
+            f"{missing[0]} was written but storage does not hold it"
+            + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""),
+            path=missing[0],
+        )
+    entries = []
+    for entry in listed:
+        known = written.get(entry.path)
+        if known is None:
+            entries.append(entry)
+            continue
+        size, crc = known
+        if size != entry.size:
+            raise CorruptCheckpointError(
+                f"{entry.path} was written with {size} bytes but storage holds {entry.size}",
+                path=entry.path,
+            )
+        entries.append(FileEntry(path=entry.path, size=entry.size, crc32=crc))
+    return entries

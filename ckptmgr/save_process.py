@@ -18,15 +18,18 @@ daemon let go of the previous request's tensors anyway: no memory is held longer
 thread of Python and about 30 system calls that share the GIL with the training loop.) The
 daemon returns DCP's metadata with the sizes and CRC-32s of the files it wrote
 (``CHECKSUMS_ATTRIBUTE``). A daemon that died (killed, out of memory) fails the save that was
-running; the next save starts a new one. Everything else of a save (the commit, retention's
-decisions) stays in the training process; only file work that follows from them may be handed
-to the daemon between saves (:meth:`SaveProcess.run_when_idle`: on a local disk, deleting the
-steps retention let go of), so that its system calls do not hand the training process's GIL back
-and forth.
+running; the next save starts a new one. A single-process save on a local disk is committed by
+the daemon's writer too (:mod:`ckptmgr.daemon_commit`; what it needs of the record beyond the
+per-save fields, the layout of the packed tensors, is kept in the daemon:
+:meth:`SaveProcess.kept_in_daemon`). Retention's decisions stay in the training process; the
+file work that follows from them may be handed to the daemon between saves
+(:meth:`SaveProcess.run_when_idle`: on a local disk, deleting the steps retention let go of), so
+that its system calls do not hand the training process's GIL back and forth.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing.connection
 import multiprocessing.process
@@ -58,6 +61,10 @@ LISTING_ATTRIBUTE = "ckptmgr_listing"
 """Attribute of the returned DCP metadata, local saves only: every file in the step's write
 directory (relative path -> size), listed by the coordinator's writer once ``.metadata`` was
 written (in process mode, by the daemon)."""
+
+COMMITTED_ATTRIBUTE = "ckptmgr_committed"
+"""Attribute of the returned DCP metadata when the writer committed the step in its ``finish``
+(:mod:`ckptmgr.daemon_commit`): what the commit returned."""
 
 _EXIT_WAIT_S = 5.0  # a daemon whose pipe broke is given this long to be gone
 _EXIT_PRIORITY = 100
@@ -179,6 +186,38 @@ class _CallServingConnection:
         return getattr(self._connection, name)
 
 
+_DAEMON_KEPT: dict[str, tuple[int, Any]] = {}
+"""In a daemon: by slot, the value it was last sent for it, and that value's token."""
+_KEPT_TOKENS = itertools.count(1)
+
+
+def _kept_value(slot: str, token: int, sent: bool, value: Any) -> Any:
+    """In the daemon, while a request is read: the value kept in ``slot`` under ``token``
+    (``value`` itself when ``sent``: it replaces what the slot kept before)."""
+    if sent:
+        _DAEMON_KEPT[slot] = (token, value)
+        return value
+    kept = _DAEMON_KEPT.get(slot)
+    if kept is None or kept[0] != token:  # (the training process keeps count: never expected)
+        raise CheckpointError(f"the checkpoint daemon does not keep {slot} {token}")
+    return kept[1]
+
+
+class _KeptInDaemon:
+    """A value in a save request that the daemon keeps: pickled whole the first time its daemon
+    is sent it, by token after that (see :meth:`SaveProcess.kept_in_daemon`)."""
+
+    __slots__ = ("_keeper", "_slot", "_value")
+
+    def __init__(self, keeper: SaveProcess, slot: str, value: Any) -> None:
+        self._keeper = keeper
+        self._slot = slot
+        self._value = value
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_kept_value, self._keeper._kept_arguments(self._slot, self._value))
+
+
 _DAEMON_ARENAS: dict[int, torch.UntypedStorage] = {}
 """In a daemon: the staging arenas it keeps mapped, by token."""
 
@@ -259,6 +298,7 @@ class SaveProcess:
         self._exit_hook: multiprocessing.util.Finalize | None = None  # stops the daemon
         self._failed = False  # the last save failed: the daemon (and its group) is replaced
         self._arenas_sent: set[int] = set()  # tokens of the arenas the daemon keeps
+        self._kept_sent: dict[str, tuple[int, Any]] = {}  # slot -> (token, value) it keeps
         self._lock = threading.Lock()
 
     @property
@@ -304,6 +344,23 @@ class SaveProcess:
                         f"save: {exc!r}"
                     ) from exc
                 raise
+
+    def kept_in_daemon(self, slot: str, value: Any) -> Any:
+        """``value``, to be put in a save request, for the daemon to keep in ``slot``: sent whole
+        to each daemon the first time, and by token while it is the very same object (a new
+        value replaces the slot's). For what stays the same from save to save but is too big
+        to send every time (the pack layout of 20,000 tensors)."""
+        return _KeptInDaemon(self, slot, value)
+
+    def _kept_arguments(self, slot: str, value: Any) -> tuple[str, int, bool, Any]:
+        """:func:`_kept_value`'s arguments for ``value`` in ``slot``, as the request that holds
+        it is pickled (within :meth:`save`, for the daemon that reads it)."""
+        sent = self._kept_sent.get(slot)
+        if sent is not None and sent[1] is value:
+            return (slot, sent[0], False, None)
+        token = next(_KEPT_TOKENS)
+        self._kept_sent[slot] = (token, value)  # (a failed send replaces the daemon: see _stop)
+        return (slot, token, True, value)
 
     def run_when_idle(self, function: Callable[..., Any], *args: Any) -> Any:
         """``function(*args)`` (a module-level function), run by the daemon when one is running,
@@ -385,6 +442,7 @@ class SaveProcess:
         hook, self._exit_hook = self._exit_hook, None
         self._failed = False
         self._arenas_sent = set()  # a new daemon keeps none
+        self._kept_sent = {}
         if hook is not None:
             hook.cancel()
         if daemon is not None:

@@ -211,6 +211,11 @@ class CheckpointStorage:
         """Path of a committed step's directory."""
         return self.path(step_dir_name(step))
 
+    def aside_path(self, step: int) -> str:
+        """A new path to move a quarantined step's directory aside to (unlisted, kept), so that
+        a new save of the step can take its name."""
+        return self.path(f"{step_dir_name(step)}.quarantined-{time.time_ns()}")
+
     def url_for(self, path: str) -> str:
         """A URL that DCP's fsspec writer/reader can open (local paths stay plain)."""
         return path if self.is_local else self.fs.unstrip_protocol(path)
@@ -234,21 +239,10 @@ class CheckpointStorage:
 
     def _committed_and_quarantined(self) -> tuple[set[int], set[int]]:
         """(steps with a commit record, steps with a quarantine marker), fresh from storage."""
+        if self.is_local:
+            return local_committed_and_quarantined(self.root)
         committed: set[int] = set()
         quarantined: set[int] = set()
-        if self.is_local:
-            matched = self._glob_committed_and_quarantined()
-            if matched is not None:
-                return matched
-            for name in _listdir(self.root):
-                step = parse_step_dir_name(name)
-                if step is None:
-                    continue
-                if os.path.exists(os.path.join(self.root, name, RECORD_NAME)):
-                    committed.add(step)
-                    if os.path.exists(os.path.join(self.root, name, QUARANTINE_NAME)):
-                        quarantined.add(step)
-            return committed, quarantined
         for relative in self._find(self.root):
             parts = relative.split("/")
             if len(parts) == 2 and parts[1] in (RECORD_NAME, QUARANTINE_NAME):
@@ -256,26 +250,6 @@ class CheckpointStorage:
                 if step is not None:
                     (committed if parts[1] == RECORD_NAME else quarantined).add(step)
         return committed, quarantined
-
-    def _glob_committed_and_quarantined(self) -> tuple[set[int], set[int]] | None:
-        """The local listing of :meth:`_committed_and_quarantined` in two calls of the C
-        library (:mod:`ckptmgr.local_glob`) instead of a ``stat`` per step from Python, each of
-        which costs a Python-bound training loop a GIL hand-over. None where that cannot answer,
-        and where nothing matched (a root that is missing, empty or not a directory, which the
-        listing in Python handles as it always did, and at no cost)."""
-        records = local_glob.match(self.root, f"step_*/{RECORD_NAME}")
-        if not records:
-            return None
-        markers = local_glob.match(self.root, f"step_*/{QUARANTINE_NAME}")
-        if markers is None:
-            return None
-
-        def steps(paths: list[str], in_step_dir: re.Pattern[str]) -> set[int]:
-            found = (in_step_dir.fullmatch(path) for path in paths)
-            return {int(match.group(1)) for match in found if match is not None}
-
-        committed = steps(records, _RECORD_IN_STEP_DIR)
-        return committed, steps(markers, _MARKER_IN_STEP_DIR) & committed
 
     def _find(self, path: str) -> dict[str, dict[str, Any]]:
         """Every file under ``path`` (relative path -> info), listed fresh, with retries."""
@@ -455,7 +429,7 @@ class CheckpointStorage:
         so that a new save can take its name: on remote stores (a local commit renames it aside
         itself: :func:`commit_local_step`)."""
         source = self.step_path(step)
-        target = self.path(f"{step_dir_name(step)}.quarantined-{time.time_ns()}")
+        target = self.aside_path(step)
         log.warning("moving quarantined step %d aside to %s before saving it again", step, target)
         files = sorted(self._find(source))
         for name in files:  # copy everything, the record and the marker last, then delete
@@ -543,12 +517,12 @@ class CheckpointStorage:
         if not self.is_local:
             self._commit_remote(step, f"{path}/{RECORD_NAME}", record)
             return
-        aside = self.path(f"{step_dir_name(step)}.quarantined-{time.time_ns()}")
+        aside = self.aside_path(step)
         moved_aside = commit_local_step(  # (in this process: see commit_local_step)
             self.root, path, self.step_path(step), aside, record.to_json()
         )
         if moved_aside:
-            log.warning("moved quarantined step %d aside to %s before saving it again", step, aside)
+            log_moved_aside(step, aside)
 
     def _commit_remote(self, step: int, target: str, record: CommitRecord) -> None:
         data = record.to_json()
@@ -760,6 +734,59 @@ class CheckpointStorage:
         return True
 
 
+def local_committed_steps(root: str) -> list[int]:
+    """The committed steps under the local root ``root`` (what
+    :meth:`CheckpointStorage.committed_steps` lists), sorted."""
+    committed, quarantined = local_committed_and_quarantined(root)
+    return sorted(committed - quarantined)
+
+
+def local_committed_and_quarantined(root: str) -> tuple[set[int], set[int]]:
+    """(steps with a commit record, steps with a quarantine marker) under the local root
+    ``root``: two calls of the C library's ``glob`` (:func:`_glob_committed_and_quarantined`),
+    or, where that cannot answer, one directory listing plus a ``stat`` per step."""
+    matched = _glob_committed_and_quarantined(root)
+    if matched is not None:
+        return matched
+    committed: set[int] = set()
+    quarantined: set[int] = set()
+    for name in _listdir(root):
+        step = parse_step_dir_name(name)
+        if step is None:
+            continue
+        if os.path.exists(os.path.join(root, name, RECORD_NAME)):
+            committed.add(step)
+            if os.path.exists(os.path.join(root, name, QUARANTINE_NAME)):
+                quarantined.add(step)
+    return committed, quarantined
+
+
+def _glob_committed_and_quarantined(root: str) -> tuple[set[int], set[int]] | None:
+    """The listing of :func:`local_committed_and_quarantined` in two calls of the C library
+    (:mod:`ckptmgr.local_glob`) instead of a ``stat`` per step from Python, each of which costs
+    a Python-bound training loop a GIL hand-over. None where that cannot answer, and where
+    nothing matched (a root that is missing, empty or not a directory, which the listing in
+    Python handles as it always did, and at no cost)."""
+    records = local_glob.match(root, f"step_*/{RECORD_NAME}")
+    if not records:
+        return None
+    markers = local_glob.match(root, f"step_*/{QUARANTINE_NAME}")
+    if markers is None:
+        return None
+
+    def steps(paths: list[str], in_step_dir: re.Pattern[str]) -> set[int]:
+        found = (in_step_dir.fullmatch(path) for path in paths)
+        return {int(match.group(1)) for match in found if match is not None}
+
+    committed = steps(records, _RECORD_IN_STEP_DIR)
+    return committed, steps(markers, _MARKER_IN_STEP_DIR) & committed
+
+
+def log_moved_aside(step: int, aside: str) -> None:
+    """The warning that a local commit moved quarantined step ``step`` aside to ``aside``."""
+    log.warning("moved quarantined step %d aside to %s before saving it again", step, aside)
+
+
 def run_here(function: Callable[..., T], *args: Any) -> T:
     """``function(*args)``, in the calling thread (the default ``run_local_file_work``)."""
     return function(*args)
@@ -775,9 +802,10 @@ def commit_local_step(root: str, path: str, final: str, aside: str, record: byte
     very record, the commit was done (only the sync of ``root`` is repeated).
 
     It runs in the calling process, not through ``run_local_file_work``: handed to the
-    checkpoint daemon in process mode (tried at b0ed874), the record's bytes (0.7 MB for 20,000
+    checkpoint daemon that way (tried at b0ed874), the record's bytes (0.7 MB for 20,000
     tensors) crossed the pipe in several writes, and a Python-bound training loop lost more of
-    its time to the GIL than with the file work done here (docs/benchmarks.md)."""
+    its time to the GIL than with the file work done here (docs/benchmarks.md). In process mode
+    the daemon's writer makes the record and calls it (:mod:`ckptmgr.daemon_commit`)."""
     final_record = os.path.join(final, RECORD_NAME)
     if not os.path.exists(path) and _holds_bytes(final_record, record):
         _fsync_dir(root)

@@ -831,7 +831,7 @@ def test_a_program_that_ends_without_close_exits_and_stops_its_daemon(
 def test_the_file_work_of_deleting_old_steps_goes_to_the_daemon(ckpt_dir: Path) -> None:
     """Retention's deletions run through the storage's ``run_local_file_work``, which a
     process-mode manager points at its daemon; each old step still goes, and leaves nothing.
-    (The commit's file work stays in the training process: see storage.commit_local_step.)"""
+    (The commit is the daemon's writer's: see the tests of ckptmgr.daemon_commit below.)"""
     ran: list[str] = []
     with process_manager(ckpt_dir, max_to_keep=1) as mgr:
         save_process = save_process_of(mgr)
@@ -981,6 +981,131 @@ def test_the_record_lists_the_files_as_the_daemon_listed_them(
         assert checksum_problems(step_dir(ckpt_dir, 1), record) == []
         target = zeros_like_state(state)
         mgr.restore(1, target)
+        assert differences(target, state) == []
+
+
+# -- the commit, made by the daemon's writer (ckptmgr.daemon_commit) ----------------------------
+def test_the_daemon_commits_the_step_and_lists_the_root_for_retention(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A single-process local save is committed by the daemon's writer, which also lists the
+    committed steps for retention: with the commit and the listing made to fail in the training
+    process, every save commits (its record with the save's metrics, ``committed_at`` taken at
+    the commit), retention keeps the last two, and each kept step restores bit-exact."""
+
+    def not_here(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("committed or listed in the training process")
+
+    import ckptmgr.storage
+
+    states = {step: {"tensors": tensor_state(60 + step, "base")} for step in (1, 2, 3, 4)}
+    with process_manager(ckpt_dir, max_to_keep=2) as mgr:
+        monkeypatch.setattr(CheckpointStorage, "commit", not_here)
+        monkeypatch.setattr(CheckpointStorage, "committed_steps", not_here)
+        monkeypatch.setattr(ckptmgr.storage, "commit_local_step", not_here)
+        started: dict[int, float] = {}
+        for step, state in states.items():
+            started[step] = time.time()
+            assert mgr.save_async(step, state, metrics={"loss": 1.0 / step})
+            mgr.join()
+        monkeypatch.undo()
+        assert mgr.all_steps() == [3, 4]
+        assert sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir()) == [
+            step_dir(ckpt_dir, 3).name,
+            step_dir(ckpt_dir, 4).name,
+        ]
+        for step in (3, 4):
+            record = read_record(ckpt_dir, step)
+            assert record.step == step and record.metrics == {"loss": 1.0 / step}
+            assert started[step] <= record.committed_at.timestamp() <= time.time()
+            assert checksum_problems(step_dir(ckpt_dir, step), record) == []
+            target = zeros_like_state(states[step])
+            mgr.restore(step, target)
+            assert differences(target, states[step]) == []
+
+
+def test_the_pack_layout_goes_to_the_daemon_once_per_layout_and_daemon(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layout of the packed small tensors (what the record's tensor table is made from)
+    travels whole in the first save of each layout to each daemon, by token otherwise: across
+    a layout change and a daemon replaced after a SIGKILL, every step restores bit-exact."""
+    sent: list[bool] = []
+    kept_arguments = SaveProcess._kept_arguments
+
+    def spy(self: SaveProcess, slot: str, value: Any) -> tuple[str, int, bool, Any]:
+        arguments = kept_arguments(self, slot, value)
+        sent.append(arguments[2])
+        return arguments
+
+    monkeypatch.setattr(SaveProcess, "_kept_arguments", spy)
+    states = {
+        1: {"tensors": tensor_state(70, "base")},
+        2: {"tensors": tensor_state(71, "base")},
+        3: {"tensors": tensor_state(72, "changed")},
+        4: {"tensors": tensor_state(73, "changed")},
+        5: {"tensors": tensor_state(74, "changed")},
+    }
+    with process_manager(ckpt_dir) as mgr:
+        for step, state in states.items():
+            if step == 5:
+                kill_and_reap(daemon_of(mgr))
+            assert mgr.save_async(step, state)
+            mgr.join()
+        assert sent == [True, False, True, False, True]
+        for step, state in states.items():
+            target = zeros_like_state(state)
+            mgr.restore(step, target)
+            assert differences(target, state) == [], step
+            record = read_record(ckpt_dir, step)
+            assert len(record.tensor_table.entries) == N_SMALL + (4 if step < 3 else 6)
+
+
+def test_a_lease_taken_over_during_the_write_commits_nothing(ckpt_dir: Path) -> None:
+    """The daemon reads the owner record just before it commits: a take-over that the
+    heartbeat has not seen yet (it beats every 150 s here) fails the save, commits nothing,
+    and stops this job's saves from then on."""
+    state = {"tensors": tensor_state(80, "base")}
+    with process_manager(ckpt_dir, lease_timeout_s=600.0) as mgr:
+        assert mgr.save_async(1, state)
+        mgr.join()
+        owner = ckpt_dir / "owner.json"
+        record = json.loads(owner.read_bytes())
+        record.update(job_id="another-job", lease_id=uuid.uuid4().hex)
+        owner.write_text(json.dumps(record))  # another job took the root over
+        assert mgr.save_async(2, state)
+        with pytest.raises(CheckpointError, match="taken over by job 'another-job'"):
+            mgr.join()
+        assert not step_dir(ckpt_dir, 2).exists()
+        assert not [p.name for p in ckpt_dir.iterdir() if p.name.startswith(".tmp-")]
+        assert mgr.all_steps() == [1]
+        with pytest.raises(CheckpointError, match="taken over"):
+            mgr.save(3, state)
+        assert not step_dir(ckpt_dir, 3).exists()
+        assert json.loads(owner.read_bytes())["job_id"] == "another-job"
+
+
+def test_a_step_another_writer_committed_fails_the_save_and_is_left_alone(ckpt_dir: Path) -> None:
+    """A step that another writer committed meanwhile is refused by the daemon's commit: the
+    save fails with that error, the other writer's step stays as it was, and the next save
+    (in a new daemon) commits."""
+    state = {"tensors": tensor_state(81, "base")}
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, state)
+        mgr.join()
+        foreign = step_dir(ckpt_dir, 2)
+        foreign.mkdir()
+        (foreign / "commit.json").write_bytes(b"another writer's record")
+        assert mgr.save_async(2, state)
+        with pytest.raises(CheckpointError, match="committed by another writer"):
+            mgr.join()
+        assert [p.name for p in foreign.iterdir()] == ["commit.json"]
+        assert (foreign / "commit.json").read_bytes() == b"another writer's record"
+        assert mgr.save_async(3, state)
+        mgr.join()
+        assert mgr.all_steps() == [1, 2, 3]  # storage's view: the other writer's step too
+        target = zeros_like_state(state)
+        mgr.restore(3, target)
         assert differences(target, state) == []
 
 
