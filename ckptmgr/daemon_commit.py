@@ -13,10 +13,14 @@ and the layout of the pack of small tensors (sent once per layout, then by token
 once ``.metadata`` is written and the files are listed) calls it: it makes the record there
 (the tensor table from DCP's metadata and the layout, its JSON text cached while the layout
 holds), confirms the owner lease from storage, commits the step
-(:func:`ckptmgr.storage.commit_local_step`) and lists the committed steps for retention. The
-answer carries a :class:`DaemonCommitResult`; what it raised fails the save as a failed commit
-would (nothing is committed then, or, if the daemon died after the rename, a step is
-committed that the training process reports as failed: never a half-written one).
+(:func:`ckptmgr.storage.commit_local_step`) and lists the committed steps for retention; with a
+:class:`DaemonRetention` (ckptmgr's own policies) it plans retention over that listing, reads the
+lease again and deletes what is not kept. The answer carries a :class:`DaemonCommitResult`;
+what the commit raised fails the save as a failed commit would (nothing is committed then, or,
+if the daemon died after the rename, a step is committed that the training process reports as
+failed: never a half-written one). What retention meets (a policy that raises, a lost lease, a
+failed deletion) is in the result: the step stays committed, and nothing, or what could be, is
+deleted.
 
 Used for single-process saves on a local disk only: under ``torch.distributed`` rank 0 commits
 after hearing from every rank, in the training process.
@@ -29,28 +33,54 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckptmgr import pruning
+from ckptmgr.errors import CheckpointError
 from ckptmgr.gc_pause import gc_paused
 from ckptmgr.packing import PackedTensor, RecordTableCache
 from ckptmgr.record import CommitRecord, FileEntry, files_with_checksums, tensor_entries, utc_now
+from ckptmgr.retention import CheckpointInfo, RetentionDecision, RetentionPolicy
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, LISTING_ATTRIBUTE
-from ckptmgr.storage import commit_local_step, local_committed_steps
+from ckptmgr.storage import CheckpointStorage, commit_local_step, local_committed_steps
 
-__all__ = ["DaemonCommit", "DaemonCommitResult"]
+__all__ = ["DaemonCommit", "DaemonCommitResult", "DaemonRetention"]
 
 _TABLES = RecordTableCache()
 """In the process that commits (the daemon): the tensor table of the last commit, reused while
 the layout (the very object kept in the daemon) and DCP's entries are unchanged."""
 
 
+_READERS: dict[str, pruning.RecordReader] = {}
+"""In the process that commits: by root, what retention knows of the steps' records there."""
+
+
+@dataclass(frozen=True)
+class DaemonRetention:
+    """Retention right after a :class:`DaemonCommit`, in the same process: ``policy`` (made of
+    ckptmgr's own policies only: :func:`ckptmgr.retention.is_builtin`) planned over the steps
+    listed after the commit, ``being_written`` protected, and the doomed steps deleted once
+    ``confirm_owner`` (None: no lease) found the root still the job's."""
+
+    policy: RetentionPolicy
+    being_written: frozenset[int]
+    confirm_owner: Callable[[], None] | None
+
+
 @dataclass(frozen=True)
 class DaemonCommitResult:
     """What a :class:`DaemonCommit` did: when it committed (the record's ``committed_at``),
     whether it moved a quarantined step aside first (to ``aside``), and the committed steps
-    listed in the root after the commit."""
+    listed in the root after the commit. With a :class:`DaemonRetention`: the decisions that
+    delete (``doomed``), the steps deleted (``deleted``, before ``listed`` was taken or not:
+    ``listed`` is from before the deletions), why planning failed (``planning_error``: then
+    nothing was deleted), and the error of the deletions (``deletion_error``)."""
 
     committed_at: _dt.datetime
     moved_aside: bool
     listed: list[int]
+    doomed: list[RetentionDecision] | None = None
+    deleted: list[int] | None = None
+    planning_error: str | None = None
+    deletion_error: CheckpointError | None = None
 
 
 class DaemonCommit:
@@ -64,7 +94,16 @@ class DaemonCommit:
     paths are those of :func:`ckptmgr.storage.commit_local_step`.
     """
 
-    __slots__ = ("aside", "confirm_owner", "fields", "final", "layout", "root", "write_dir")
+    __slots__ = (
+        "aside",
+        "confirm_owner",
+        "fields",
+        "final",
+        "layout",
+        "retention",
+        "root",
+        "write_dir",
+    )
 
     def __init__(
         self,
@@ -76,6 +115,7 @@ class DaemonCommit:
         fields: Mapping[str, Any],
         layout: Any,
         confirm_owner: Callable[[], None] | None,
+        retention: DaemonRetention | None = None,
     ) -> None:
         self.root = root
         self.write_dir = write_dir
@@ -84,6 +124,7 @@ class DaemonCommit:
         self.fields = dict(fields)
         self.layout = layout
         self.confirm_owner = confirm_owner
+        self.retention = retention
 
     def __getstate__(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in self.__slots__)
@@ -113,4 +154,49 @@ class DaemonCommit:
         moved_aside = commit_local_step(
             self.root, self.write_dir, self.final, self.aside, record.to_json()
         )
-        return DaemonCommitResult(committed_at, moved_aside, local_committed_steps(self.root))
+        listed = local_committed_steps(self.root)
+        if self.retention is None:
+            return DaemonCommitResult(committed_at, moved_aside, listed)
+        info = CheckpointInfo(record.step, committed_at, dict(record.metrics))
+        return self._retain(info, moved_aside, listed, self.retention)
+
+    def _retain(
+        self,
+        committed: CheckpointInfo,
+        moved_aside: bool,
+        listed: list[int],
+        retention: DaemonRetention,
+    ) -> DaemonCommitResult:
+        """Retention after the commit of ``committed`` (never raises: the step is committed)."""
+        reader = _READERS.get(self.root)
+        if reader is None:
+            reader = _READERS[self.root] = pruning.RecordReader(
+                CheckpointStorage(self.root, create=False)
+            )
+        reader.remember(committed)
+        done = DaemonCommitResult
+        try:
+            _, doomed = pruning.list_and_plan_deletions(
+                retention.policy, reader, retention.being_written, listed
+            )
+        except Exception as exc:
+            return done(committed.committed_at, moved_aside, listed, [], [], repr(exc))
+        deleted: list[int] = []
+        if not doomed:
+            return done(committed.committed_at, moved_aside, listed, doomed, deleted)
+        try:
+            if retention.confirm_owner is not None:
+                try:
+                    retention.confirm_owner()
+                except CheckpointError:
+                    raise
+                except Exception as exc:
+                    raise CheckpointError(
+                        f"retention deleted nothing: the owner lease could not be read to "
+                        f"confirm that this job still owns {self.root}: {exc!r}"
+                    ) from exc
+            steps = [decision.step for decision in doomed]
+            pruning.delete_steps(reader.storage, steps, on_deleted=deleted.append)
+        except CheckpointError as exc:
+            return done(committed.committed_at, moved_aside, listed, doomed, deleted, None, exc)
+        return done(committed.committed_at, moved_aside, listed, doomed, deleted)

@@ -24,7 +24,7 @@ from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter, FailureHandover
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
-from ckptmgr.daemon_commit import DaemonCommit, DaemonCommitResult
+from ckptmgr.daemon_commit import DaemonCommit, DaemonCommitResult, DaemonRetention
 from ckptmgr.device_sync import wait_for_devices, wait_for_queued_work
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptmgr.gc_pause import gc_paused
@@ -81,6 +81,9 @@ class _SaveOutcome:
     error: str | None
     deleted: list[int]
     listed: list[int] | None = None  # committed steps in storage after the commit, if listed
+    # the daemon's retention deleted ``deleted`` already (with this error, if any failed)
+    deleted_by_daemon: bool = False
+    deletion_error: CheckpointError | None = None
 
 
 class CheckpointManager:
@@ -750,15 +753,24 @@ class CheckpointManager:
         log.info("committed step %d", step)
         if answered_preemption:
             self._log_preemption_answered(step)
-        if comm.is_coordinator and outcome.deleted:
+        if outcome.deletion_error is not None:  # (the daemon's: it deleted what it could)
+            self._report_failed_deletion(outcome.deletion_error)
+        elif comm.is_coordinator and outcome.deleted and not outcome.deleted_by_daemon:
             try:
                 self._confirm_lease_before_deleting()
                 pruning.delete_steps(self._storage, outcome.deleted)
             except CheckpointError as exc:  # step is committed: report at join/next save/close
-                log.error("%s", exc, exc_info=exc.__cause__)
                 if not comm.distributed:  # (the other ranks cannot know: every rank lists
                     self._relist_after_failed_deletion(outcome.deleted)  # the same steps)
-                self._writer.record_error(exc)
+                self._report_failed_deletion(exc)
+
+    def _report_failed_deletion(self, error: CheckpointError) -> None:
+        """Log a failed deletion of retention's and raise it at the next join, save or close
+        (the step is committed)."""
+        log.error("%s", error, exc_info=error.__cause__)
+        if isinstance(error, LeaseLostError) and self._lease is not None:
+            self._lease.note_lost(error)  # found by the daemon: no more saves either
+        self._writer.record_error(error)
 
     def _confirm_lease_before_deleting(self) -> None:
         """Raise ``CheckpointError`` unless the lease is still this job's, read from storage now:
@@ -857,6 +869,7 @@ class CheckpointManager:
         the step (a single-process save on a local disk)."""
         assert self._save_process is not None
         storage, step = self._storage, request.step
+        confirm_owner = None if self._lease is None else self._lease.local_check()
         return DaemonCommit(
             root=storage.root,
             write_dir=write_dir,
@@ -874,8 +887,23 @@ class CheckpointManager:
                 "byteorder": sys.byteorder,
             },
             layout=self._save_process.kept_in_daemon("pack layout", request.packed),
-            confirm_owner=None if self._lease is None else self._lease.local_check(),
+            confirm_owner=confirm_owner,
+            retention=self._daemon_retention(step, confirm_owner),
         )
+
+    def _daemon_retention(
+        self, step: int, confirm_owner: Callable[[], None] | None
+    ) -> DaemonRetention | None:
+        """Retention for the daemon to apply after its commit of ``step``, when the policy is
+        ckptmgr's own and deletes for real; None to plan here after the daemon's answer."""
+        policy = self._policy
+        if policy is None or self.config.retention_dry_run or not retention.is_builtin(policy):
+            return None
+        if self._lease is not None and confirm_owner is None:  # (a lease off the local disk)
+            return None
+        with self._lock:
+            being_written = frozenset(self._in_flight | {step})
+        return DaemonRetention(policy, being_written, confirm_owner)
 
     def _after_daemon_commit(
         self, request: _SaveRequest, commit: DaemonCommit, result: DaemonCommitResult
@@ -889,7 +917,24 @@ class CheckpointManager:
             self._records.remember(
                 retention.CheckpointInfo(step, result.committed_at, request.metrics)
             )
-        return self._plan_after_commit(step, result.listed)
+        if commit.retention is None:
+            return self._plan_after_commit(step, result.listed)
+        if result.planning_error is not None:
+            log.error(
+                "retention after step %d failed; nothing deleted: %s", step, result.planning_error
+            )
+        pruning.log_deletions(result.doomed or [], dry_run=False)
+        deleted = result.deleted or []
+        for gone in deleted:
+            log.info("deleted step %d (retention)", gone)
+        return _SaveOutcome(
+            committed=True,
+            error=None,
+            deleted=deleted,
+            listed=result.listed,
+            deleted_by_daemon=True,
+            deletion_error=result.deletion_error,
+        )
 
     def _plan_after_commit(self, step: int, listed: list[int] | None) -> _SaveOutcome:
         """The outcome of a committed save: retention's plan after it (over ``listed``, the

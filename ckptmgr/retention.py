@@ -328,6 +328,12 @@ def steps_to_delete(decisions: Iterable[RetentionDecision]) -> list[int]:
     return sorted(d.step for d in decisions if not d.kept)
 
 
+def is_builtin(policy: RetentionPolicy) -> bool:
+    """True when ``policy`` is made of ckptmgr's own policies only (pure functions of the
+    steps' records, which another process may run: the checkpoint daemon, after its commit)."""
+    return all(type(part).__module__ == __name__ for part in _members(policy))
+
+
 def _members(policy: RetentionPolicy) -> list[RetentionPolicy]:
     """The policies an AnyOf (however nested) is made of; any other policy is its own member."""
     if isinstance(policy, AnyOf):

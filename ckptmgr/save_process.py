@@ -21,10 +21,11 @@ daemon returns DCP's metadata with the sizes and CRC-32s of the files it wrote
 running; the next save starts a new one. A single-process save on a local disk is committed by
 the daemon's writer too (:mod:`ckptmgr.daemon_commit`; what it needs of the record beyond the
 per-save fields, the layout of the packed tensors, is kept in the daemon:
-:meth:`SaveProcess.kept_in_daemon`). Retention's decisions stay in the training process; the
-file work that follows from them may be handed to the daemon between saves
-(:meth:`SaveProcess.run_when_idle`: on a local disk, deleting the steps retention let go of), so
-that its system calls do not hand the training process's GIL back and forth.
+:meth:`SaveProcess.kept_in_daemon`), and so is the retention of ckptmgr's own policies that
+follows. A retention policy of the user's own decides in the training process; the file work
+that follows may be handed to the daemon between saves (:meth:`SaveProcess.run_when_idle`: on a
+local disk, deleting the steps retention let go of), so that its system calls do not hand the
+training process's GIL back and forth.
 """
 
 from __future__ import annotations

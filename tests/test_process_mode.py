@@ -828,12 +828,20 @@ def test_a_program_that_ends_without_close_exits_and_stops_its_daemon(
 
 
 # -- file work between saves runs in the daemon ---------------------------------------------------
+class KeepTheNewestStep:
+    """A retention policy of the user's own (not ckptmgr's): planned in the training process."""
+
+    def keep(self, checkpoints: Any) -> set[int]:
+        return {max(checkpoint.step for checkpoint in checkpoints)}
+
+
 def test_the_file_work_of_deleting_old_steps_goes_to_the_daemon(ckpt_dir: Path) -> None:
-    """Retention's deletions run through the storage's ``run_local_file_work``, which a
-    process-mode manager points at its daemon; each old step still goes, and leaves nothing.
-    (The commit is the daemon's writer's: see the tests of ckptmgr.daemon_commit below.)"""
+    """With a policy of the user's own, retention plans in the training process, and its
+    deletions run through the storage's ``run_local_file_work``, which a process-mode manager
+    points at its daemon; each old step still goes, and leaves nothing. (ckptmgr's own
+    policies run in the daemon, after its commit: see the tests of ckptmgr.daemon_commit.)"""
     ran: list[str] = []
-    with process_manager(ckpt_dir, max_to_keep=1) as mgr:
+    with process_manager(ckpt_dir, retention=[KeepTheNewestStep()]) as mgr:
         save_process = save_process_of(mgr)
         storage = mgr._storage
         assert storage.run_local_file_work == save_process.run_when_idle
@@ -1022,6 +1030,70 @@ def test_the_daemon_commits_the_step_and_lists_the_root_for_retention(
             target = zeros_like_state(states[step])
             mgr.restore(step, target)
             assert differences(target, states[step]) == []
+
+
+def test_the_daemon_applies_ckptmgrs_own_retention_after_its_commit(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ckptmgr's own policies (here the best two by loss, and the latest two) are planned and
+    applied by the daemon right after its commit: with planning, the lease read and deletion
+    made to fail in the training process, the steps they do not keep are deleted, logged here,
+    and the kept ones restore bit-exact."""
+    from ckptmgr import KeepBest, lease, pruning
+
+    def not_here(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("retention ran in the training process")
+
+    losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.2, 5: 0.8, 6: 0.7}
+    states = {step: {"tensors": tensor_state(90 + step, "base")} for step in losses}
+    with process_manager(
+        ckpt_dir, max_to_keep=2, retention=[KeepBest(n=2, metric="loss", mode="min")]
+    ) as mgr:
+        for name in ("list_and_plan_deletions", "delete_steps"):
+            monkeypatch.setattr(pruning, name, not_here)
+        monkeypatch.setattr(CheckpointStorage, "delete_step", not_here)
+        monkeypatch.setattr(lease.OwnerLease, "confirm", not_here)
+        with caplog.at_level(logging.INFO, logger="ckptmgr"):
+            for step, state in states.items():
+                assert mgr.save_async(step, state, metrics={"loss": losses[step]})
+                mgr.join()
+        monkeypatch.undo()
+        kept = [2, 4, 5, 6]  # the best two (0.1, 0.2) and the latest two
+        assert mgr.all_steps() == kept
+        assert sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir()) == [
+            step_dir(ckpt_dir, step).name for step in kept
+        ]
+        messages = [r.getMessage() for r in caplog.records]
+        for gone in (1, 3):
+            assert f"deleted step {gone} (retention)" in messages, messages
+            assert any(m.startswith(f"retention deleting step {gone}:") for m in messages)
+        for step in kept:
+            target = zeros_like_state(states[step])
+            mgr.restore(step, target)
+            assert differences(target, states[step]) == []
+
+
+def test_a_take_over_after_a_commit_leaves_the_steps_as_they_are(ckpt_dir: Path) -> None:
+    """A take-over after the last commit: the next save reads the owner record in the daemon
+    before it commits, commits nothing, and its retention deletes nothing (the daemon reads the
+    record again before deleting: tests/test_daemon_commit.py)."""
+    state = {"tensors": tensor_state(99, "base")}
+    with process_manager(ckpt_dir, max_to_keep=1, lease_timeout_s=600.0) as mgr:
+        for step in (1, 2):
+            assert mgr.save_async(step, state)
+            mgr.join()
+        assert mgr.all_steps() == [2]
+        owner = ckpt_dir / "owner.json"
+        record = json.loads(owner.read_bytes())
+        record.update(job_id="another-job", lease_id=uuid.uuid4().hex)
+        owner.write_text(json.dumps(record))
+        assert mgr.save_async(3, state)
+        with pytest.raises(CheckpointError, match="taken over by job 'another-job'"):
+            mgr.join()
+        assert mgr.all_steps() == [2]
+        assert sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir()) == [
+            step_dir(ckpt_dir, 2).name
+        ]
 
 
 def test_the_pack_layout_goes_to_the_daemon_once_per_layout_and_daemon(
