@@ -69,10 +69,10 @@ class DaemonRetention:
 class DaemonCommitResult:
     """What a :class:`DaemonCommit` did: when it committed (the record's ``committed_at``),
     whether it moved a quarantined step aside first (to ``aside``), and the committed steps
-    listed in the root after the commit. With a :class:`DaemonRetention`: the decisions that
-    delete (``doomed``), the steps deleted (``deleted``, before ``listed`` was taken or not:
-    ``listed`` is from before the deletions), why planning failed (``planning_error``: then
-    nothing was deleted), and the error of the deletions (``deletion_error``)."""
+    listed in the root after the commit (before any deletion). With a :class:`DaemonRetention`:
+    the decisions that delete (``doomed``), the steps deleted (``deleted``), why planning failed
+    (``planning_error``: then nothing was deleted), and the error of the deletions
+    (``deletion_error``: the steps it names were not deleted)."""
 
     committed_at: _dt.datetime
     moved_aside: bool
