@@ -186,15 +186,7 @@ class DaemonCommit:
             return done(committed.committed_at, moved_aside, listed, doomed, deleted)
         try:
             if retention.confirm_owner is not None:
-                try:
-                    retention.confirm_owner()
-                except CheckpointError:
-                    raise
-                except Exception as exc:
-                    raise CheckpointError(
-                        f"retention deleted nothing: the owner lease could not be read to "
-                        f"confirm that this job still owns {self.root}: {exc!r}"
-                    ) from exc
+                pruning.confirm_owner_before_deleting(retention.confirm_owner, self.root)
             steps = [decision.step for decision in doomed]
             pruning.delete_steps(reader.storage, steps, on_deleted=deleted.append)
         except CheckpointError as exc:

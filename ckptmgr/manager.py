@@ -776,17 +776,8 @@ class CheckpointManager:
         """Raise ``CheckpointError`` unless the lease is still this job's, read from storage now:
         the heartbeat finds a take-over only at its next beat, and the steps may be the new
         owner's by then. A failed read deletes nothing either."""
-        if self._lease is None:
-            return
-        try:
-            self._lease.confirm()
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(
-                f"retention deleted nothing: the owner lease could not be read to confirm that "
-                f"this job still owns {self.config.path}: {_describe(exc)}"
-            ) from exc
+        if self._lease is not None:
+            pruning.confirm_owner_before_deleting(self._lease.confirm, self.config.path)
 
     def _relist_after_failed_deletion(self, doomed: list[int]) -> None:
         """List again the steps of ``doomed`` that a failed deletion left committed in storage

@@ -107,6 +107,22 @@ def list_and_plan_deletions(
     return listed, plan_deletions(policy, infos, being_written)
 
 
+def confirm_owner_before_deleting(confirm: Callable[[], None], root: str) -> None:
+    """``confirm()`` (reads the owner lease's record now) before retention deletes under
+    ``root``: a ``CheckpointError`` (the lease was taken over) as it is, any other failure as a
+    ``CheckpointError`` too: a record that cannot be read deletes nothing either."""
+    try:
+        confirm()
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"retention deleted nothing: the owner lease could not be read to confirm that "
+            f"this job still owns {root}: {type(exc).__name__}: {first_line}"
+        ) from exc
+
+
 def delete_steps(
     storage: CheckpointStorage,
     steps: Iterable[int],
