@@ -1133,6 +1133,47 @@ def test_the_pack_layout_goes_to_the_daemon_once_per_layout_and_daemon(
             assert len(record.tensor_table.entries) == N_SMALL + (4 if step < 3 else 6)
 
 
+def test_the_answer_to_a_save_the_daemon_committed_carries_the_commit_alone(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon answers a save its writer committed with the commit's result and nothing
+    else the training process would unpickle for no use: DCP's metadata empty, no file sizes
+    and checksums. The step's own ``.metadata`` file holds the whole of DCP's metadata, and the
+    step restores bit-exact."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ckptmgr.daemon_commit import DaemonCommitResult
+    from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, COMMITTED_ATTRIBUTE, LISTING_ATTRIBUTE
+
+    answers: list[Any] = []
+    save = SaveProcess.save
+
+    def spy(self: SaveProcess, *args: Any, **kwargs: Any) -> Any:
+        answers.append(save(self, *args, **kwargs))
+        return answers[-1]
+
+    monkeypatch.setattr(SaveProcess, "save", spy)
+    states = {step: {"tensors": tensor_state(80 + step, "base")} for step in (1, 2)}
+    with process_manager(ckpt_dir) as mgr:
+        for step, state in states.items():
+            assert mgr.save_async(step, state)
+            mgr.join()
+        assert len(answers) == 2
+        for step, answer in zip(states, answers, strict=True):
+            assert answer.state_dict_metadata == {}
+            assert not hasattr(answer, CHECKSUMS_ATTRIBUTE)
+            assert not hasattr(answer, LISTING_ATTRIBUTE)
+            committed = getattr(answer, COMMITTED_ATTRIBUTE)
+            assert isinstance(committed, DaemonCommitResult)
+            assert step in (committed.listed or [])
+        for step, state in states.items():
+            on_disk = FileSystemReader(str(step_dir(ckpt_dir, step))).read_metadata()
+            assert len(on_disk.state_dict_metadata) > 0
+            target = zeros_like_state(state)
+            mgr.restore(step, target)
+            assert differences(target, state) == [], step
+
+
 def test_a_lease_taken_over_during_the_write_commits_nothing(ckpt_dir: Path) -> None:
     """The daemon reads the owner record just before it commits: a take-over that the
     heartbeat has not seen yet (it beats every 150 s here) fails the save, commits nothing,
