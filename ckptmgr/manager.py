@@ -1116,7 +1116,7 @@ class CheckpointManager:
         expected = None
         raw = True
         to_load: dict[str, torch.Tensor] = {}
-        unpack: Callable[[], None] = _nothing
+        unpack: pack_load.Unpack = pack_load.unpack_nothing
         reader: Any = None
         try:
             record = self._storage.read_record(step)
@@ -1155,12 +1155,12 @@ class CheckpointManager:
         assert plan is not None and reader is not None
         load_error: Exception | None = None
         try:
-            if (
-                pack_read is not None
-                and to_load.get(PACK_KEY) is pack_read.buffer
-                and pack_read.wait()
-            ):
-                del to_load[PACK_KEY]  # read ahead; else read below (and its damage raised)
+            pack: dict[str, torch.Tensor] = {}  # the pack read ahead, unpacked as it is read
+            if pack_read is not None and to_load.get(PACK_KEY) is pack_read.buffer:
+                if pack_read.placed:
+                    pack[PACK_KEY] = to_load.pop(PACK_KEY)
+                elif pack_read.wait():  # (a read that looked up the pack's place itself)
+                    del to_load[PACK_KEY]  # read ahead; else read below (and its damage raised)
             if to_load or self._comm.distributed:  # collective: also a rank with nothing to load
                 # DCP's reader threads fill a non-contiguous device destination with a copy on
                 # their own stream, which the caller's next work would not wait for: wait for
@@ -1181,7 +1181,11 @@ class CheckpointManager:
                     raise
                 wait_for_devices(to_load.values())
             try:
-                unpack()
+                if pack:
+                    assert pack_read is not None
+                    self._unpack_as_read(step, unpack, pack_read, pack, reader)
+                else:
+                    unpack()
             except Exception as exc:
                 if isinstance(exc, CheckpointError):
                     raise
@@ -1193,6 +1197,27 @@ class CheckpointManager:
         # so that every rank raises or none does (restore_latest then decides alike on all).
         self._agree_on_restore(step, load_error, group)
         log.info("restored step %d", step)
+
+    @staticmethod
+    def _unpack_as_read(
+        step: int,
+        unpack: pack_load.Unpack,
+        pack_read: PackReadAhead,
+        pack: dict[str, torch.Tensor],
+        reader: Any,
+    ) -> None:
+        """Unpack the pack that ``pack_read`` reads ahead while it is read (one process only);
+        where that read stops short or its file does not match the record, load the pack
+        (``pack``: its key and buffer) with DCP, which raises what damage it finds, and unpack
+        again in full."""
+        try:
+            unpack(filled_to=pack_read.filled_to)
+            if pack_read.wait():
+                return
+        except pack_load.PackReadStopped:
+            pack_read.wait()  # (it has ended: the buffer is no longer written)
+        _load(step, pack, reader, None)
+        unpack()
 
     def _read_pack_ahead(
         self, step: int, record: CommitRecord, expected: Any, raw: bool
@@ -1401,10 +1426,6 @@ def _require_str_keys(value: Any, path: str) -> None:
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             _require_str_keys(item, f"{path}[{index}]")
-
-
-def _nothing() -> None:
-    """Does nothing (the default after-load step of a restore)."""
 
 
 def _unwrap_dcp_error(error: BaseException) -> BaseException:

@@ -9,12 +9,13 @@ a device such as CUDA, after one host-to-device copy of the run's bytes).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
 import traceback
 from collections.abc import Callable, Iterable, Mapping
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 
@@ -62,15 +63,38 @@ _Later = tuple[torch.Tensor, torch.Tensor, list[int]]
 """(destination, piece, stored shape) of a destination that is not copied into directly."""
 
 
-def _nothing() -> None:
-    return None
+def unpack_nothing(*, filled_to: FilledTo | None = None) -> None:
+    """The :class:`Unpack` of a restore that wants nothing of a pack."""
+
+
+FilledTo = Callable[[int], bool]
+"""Waits until the pack's buffer holds its bytes up to the given end (exclusive); False when it
+never will (the read stopped)."""
+
+
+class PackReadStopped(Exception):
+    """The read of the pack that unpacking was following stopped short: the pack is to be read
+    again (and unpacked again, in full)."""
+
+
+class Unpack(Protocol):
+    """The function :func:`split_for_load` returns: copies the packed tensors out of the pack's
+    buffer into their destinations, once the buffer is loaded; with ``filled_to``, while it is
+    still being read (see :func:`_unpack`)."""
+
+    def __call__(self, *, filled_to: FilledTo | None = None) -> None: ...
+
+
+UNPACK_PIECE_BYTES = 2 * 2**20
+"""Unpacking that follows the pack's read copies out at most about this many bytes of tensors
+at a time, once the read has passed their end."""
 
 
 def split_for_load(
     destinations: Mapping[str, torch.Tensor],
     record: CommitRecord,
     pack_buffer: torch.Tensor | None = None,
-) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+) -> tuple[dict[str, torch.Tensor], Unpack]:
     """(what to load from storage, a function to call after loading it).
 
     Destinations of tensors in the record's pack are replaced by one buffer for the pack (when
@@ -88,7 +112,7 @@ def split_for_load(
     """
     table = record.tensor_table
     if table.pack_offsets.count(None) == len(table.pack_offsets):  # nothing packed
-        return dict(destinations), _nothing
+        return dict(destinations), unpack_nothing
     dtypes: dict[str, _StoredDtype] = {}
     direct = _direct_runs(destinations, table, dtypes)
     if direct is not None:
@@ -99,14 +123,14 @@ def split_for_load(
             destinations, table, dtypes
         )
     if not runs:
-        return to_load, _nothing
+        return to_load, unpack_nothing
     size = _check_layout(record, runs, wanted_bytes, wanted_count, dtypes)
     if pack_buffer is not None and pack_buffer.shape == (size,):
         buffer = pack_buffer
     else:
         buffer = torch.empty(size, dtype=torch.uint8)
     to_load[PACK_KEY] = buffer
-    return to_load, lambda: _unpack(buffer, runs, later, destinations)
+    return to_load, functools.partial(_unpack, buffer, runs, later, destinations)
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -385,18 +409,32 @@ def _unpack(
     runs: list[_Run],
     later: list[_Later],
     destinations: Mapping[str, torch.Tensor],
+    *,
+    filled_to: FilledTo | None = None,
 ) -> None:
     """Copy every wanted tensor out of the loaded pack ``buffer``: one call per run (for the
     runs on a device, after one copy there of the bytes they span), then the pieces that could
     not be copied into their destinations directly. A destination that cannot be written to
-    raises ``CheckpointError`` naming it (its key in ``destinations``)."""
+    raises ``CheckpointError`` naming it (its key in ``destinations``).
+
+    With ``filled_to``, ``buffer`` is still being read, in increasing offsets: the runs on the
+    CPU are copied out in pieces of about ``UNPACK_PIECE_BYTES``, each once ``filled_to`` says
+    the read has passed its end, so that copying overlaps reading; everything else waits for
+    the whole buffer. Raises :class:`PackReadStopped` when ``filled_to`` says the read stopped
+    (the destinations copied into so far then hold what was read, until the caller unpacks
+    again)."""
     flat: torch.Tensor | None = None
     there: torch.Tensor | None = None
     try:
         with torch.no_grad():  # destinations may be parameters
+            if filled_to is not None and any(run.on_device is not None for run in runs):
+                _wait_for(filled_to, buffer.numel())  # (device copies span many runs)
             _copy_to_devices(buffer, runs)
             for run in runs:
                 if run.on_device is None:
+                    if filled_to is not None:
+                        _copy_following_the_read(buffer, run, filled_to)
+                        continue
                     flat = buffer[run.start : run.end]
                 else:
                     start, there = run.on_device
@@ -405,6 +443,8 @@ def _unpack(
                     there = None
                 _split_copy(flat.view(run.dtype), run.sizes, run.outs)
                 flat = None
+            if later and filled_to is not None:
+                _wait_for(filled_to, buffer.numel())
             for dest, piece, shape in later:
                 value = piece.view(shape)
                 if DTensor is not None and isinstance(dest, DTensor):
@@ -421,6 +461,27 @@ def _unpack(
     finally:
         for run in runs:  # (after a failure: device copies not used yet)
             run.on_device = None
+
+
+def _wait_for(filled_to: FilledTo, end: int) -> None:
+    if not filled_to(end):
+        raise PackReadStopped(f"the read of the pack stopped before byte {end}")
+
+
+def _copy_following_the_read(buffer: torch.Tensor, run: _Run, filled_to: FilledTo) -> None:
+    """Copy ``run`` (on the CPU) out of ``buffer`` in pieces of about ``UNPACK_PIECE_BYTES``
+    (a whole number of its tensors each), each once the read has passed its end."""
+    itemsize = run.dtype.itemsize
+    sizes, outs = run.sizes, run.outs
+    pieces = max(1, min(len(sizes), -(-(run.end - run.start) // UNPACK_PIECE_BYTES)))
+    start = run.start
+    low = 0
+    for index in range(1, pieces + 1):
+        high = len(sizes) * index // pieces
+        end = start + sum(sizes[low:high]) * itemsize
+        _wait_for(filled_to, end)
+        _split_copy(buffer[start:end].view(run.dtype), sizes[low:high], outs[low:high])
+        start, low = end, high
 
 
 def _split_copy(source: torch.Tensor, sizes: list[int], outs: list[torch.Tensor]) -> None:

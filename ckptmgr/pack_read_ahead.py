@@ -15,6 +15,13 @@ operation, or the checksum) waits up to the interpreter's switch interval, 5 ms,
 a DCP load makes many more such calls than this read, and plans in Python besides (a pack of
 20 MB took 35 ms to load alone, and 73 ms beside a restore).
 
+Where the pack's place is known before the thread starts (a local disk), the thread reads it in
+pieces of ``READ_PIECE_BYTES`` and says how far it got (:meth:`PackReadAhead.filled_to`): the
+restore copies the tensors of the pieces read while the rest is read
+(:func:`ckptmgr.pack_load.split_for_load`'s unpack with ``filled_to``), and only then waits for
+the file's check. On the 2-core benchmark machine, a restore of 20,000 tensors of 1 KiB took a
+median of 86 ms against 95 ms (four alternated runs of nine restores each).
+
 It is an optimisation only: a read ahead that fails, or that the restore does not use, is waited
 for and dropped, and the restore reads the pack itself as it would have (so its errors are raised
 where and as they always are). The pack is read ahead only where it has a data file (nearly) to
@@ -38,6 +45,10 @@ from ckptmgr import tensor_bytes
 from ckptmgr.packing import PACK_KEY
 from ckptmgr.tensor_table import TensorTable
 
+READ_PIECE_BYTES = 2 * 2**20
+"""The pack is read in pieces of this many bytes, so that a restore can copy tensors out of
+the first ones while the rest is read (:meth:`PackReadAhead.filled_to`)."""
+
 
 class PackReadAhead:
     """The pack of one step, read through ``reader`` (a DCP reader of the step's raw tensor
@@ -56,17 +67,25 @@ class PackReadAhead:
         self._reader = reader
         self._file_sizes = file_sizes
         self._failed = False
+        self._progress = threading.Condition()
+        self._filled = 0  # bytes of the buffer read so far (not yet checked)
+        self._ended = False  # the read ended: filled, failed or skipped
         self._thread: threading.Thread | None = None
+        self.placed = False
+        """True when the pack's place in its file was found before the read started (on a local
+        disk): the read is then the pack's own, and can be followed (:meth:`filled_to`)."""
         place = None
         if local:
             try:
                 place = self._place_of_pack()
             except Exception:  # (damaged metadata) the restore's own load raises what it finds
-                self._failed = True
+                self._failed = self._ended = True
                 return
             if place is None:
                 self.skipped = self._failed = True
+                self._ended = True
                 return
+        self.placed = place is not None
         self._thread = threading.Thread(
             target=self._run, args=(place,), name="ckptmgr-pack-read", daemon=True
         )
@@ -93,21 +112,37 @@ class PackReadAhead:
             return None
 
     def _run(self, place: Any) -> None:
-        """Read the pack from ``place`` (its place in DCP's metadata; None: look it up first)."""
+        """Read the pack from ``place`` (its place in DCP's metadata; None: look it up first),
+        in pieces of ``READ_PIECE_BYTES``, telling :meth:`filled_to` after each."""
         try:
             place = place or self._place_of_pack()
             if place is None:
                 self.skipped = self._failed = True
                 return
             fs, size = self._reader.fs, self.buffer.numel()
+            if place.length != size:  # (as read_chunk would find: the restore's load raises)
+                self._failed = True
+                return
             path = fs.concat_path(self._reader.path, place.relative_path)
             with fs.open_data_source(path, hash_inline=True) as source:
-                tensor_bytes.read_chunk(
-                    source, place.offset, place.length, torch.uint8, (size,), self.buffer
-                )
+                done = 0
+                while done < size:
+                    count = min(READ_PIECE_BYTES, size - done)
+                    piece = self.buffer[done : done + count]
+                    tensor_bytes.read_chunk(
+                        source, place.offset + done, count, torch.uint8, (count,), piece
+                    )
+                    done += count
+                    with self._progress:
+                        self._filled = done
+                        self._progress.notify_all()
                 source.finish()
         except BaseException:  # the restore reads the pack again and raises what it finds
             self._failed = True
+        finally:
+            with self._progress:
+                self._ended = True
+                self._progress.notify_all()
 
     def _place_of_pack(self) -> Any:
         """Where DCP stored the pack (its ``relative_path``, ``offset`` and ``length``), when
@@ -140,9 +175,19 @@ class PackReadAhead:
             return None
         return place
 
+    def filled_to(self, end: int) -> bool:
+        """Wait until :attr:`buffer` holds the pack's bytes up to ``end`` (exclusive); False
+        when the read ended short of it (failed or skipped). Bytes read are not yet checked:
+        only :meth:`wait` tells whether the whole file matched its record."""
+        with self._progress:
+            while self._filled < end and not self._ended:
+                self._progress.wait()
+            return self._filled >= end and not (self._ended and self._failed)
+
     def wait(self) -> bool:
-        """Wait until the read has ended; True when it filled :attr:`buffer` (False when it
-        failed or was skipped: the restore then reads the pack itself)."""
+        """Wait until the read has ended; True when it filled :attr:`buffer` and the file
+        matched its record (False when it failed or was skipped: the restore then reads the
+        pack itself)."""
         if self._thread is not None:
             self._thread.join()
         return not self._failed

@@ -294,3 +294,113 @@ def test_a_damaged_pack_fails_the_read_ahead_and_restore_names_the_file(
             mgr.restore(1, target)
     assert outcomes and not any(outcomes)
     assert loads == [{PACK_KEY}]
+
+
+def _small_pieces(monkeypatch: pytest.MonkeyPatch, piece_bytes: int = 256) -> None:
+    """Read and unpack the pack in pieces of ``piece_bytes`` (the test state's pack is a few
+    KB: ten pieces or so)."""
+    from ckptmgr import pack_load, pack_read_ahead
+
+    monkeypatch.setattr(pack_read_ahead, "READ_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(pack_load, "UNPACK_PIECE_BYTES", piece_bytes)
+
+
+def test_restore_copies_tensors_out_of_the_pack_while_the_rest_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read ahead reads the pack piece by piece, and restore copies the tensors of the
+    pieces already read while the rest is still being read: the read of the last piece is held
+    until a first copy out of the pack is made (which a restore waiting for the whole read
+    never makes). Every tensor round-trips bit-exact; the pack is read once."""
+    from ckptmgr import pack_load
+
+    _small_pieces(monkeypatch)
+    state = _state()
+    target = {key: torch.zeros_like(value) for key, value in state.items()}
+    copied = threading.Event()
+    held_until_copied: list[bool] = []
+    real_read, real_copy = tensor_bytes.read_chunk, pack_load._split_copy
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, state)
+        size = pack_size(mgr._storage.read_record(1).tensor_table)
+        assert size is not None and size > 4 * 256  # (several pieces)
+        reads: list[int] = []
+
+        def held_read(source: Any, offset: int, length: int, *args: Any) -> torch.Tensor:
+            reads.append(length)
+            if sum(reads) == size and len(reads) > 1:  # the last piece of the pack
+                held_until_copied.append(copied.wait(10))
+            return real_read(source, offset, length, *args)
+
+        def noting_copy(*args: Any) -> None:
+            copied.set()
+            real_copy(*args)
+
+        monkeypatch.setattr(tensor_bytes, "read_chunk", held_read)
+        monkeypatch.setattr(pack_load, "_split_copy", noting_copy)
+        loads = _noting_loads(monkeypatch)
+        mgr.restore(1, target)
+    assert held_until_copied == [True]
+    assert sum(reads) == size and loads == []
+    for key, value in state.items():
+        assert torch.equal(target[key].view(torch.uint8), value.view(torch.uint8)), key
+
+
+def test_a_read_ahead_failing_after_its_first_piece_is_read_again_by_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: the read ahead fails after some tensors were copied out of its first
+    pieces; restore loads the pack itself, copies every tensor again, and is bit-exact."""
+    _small_pieces(monkeypatch)
+    state = _state()
+    target = {key: torch.zeros_like(value) for key, value in state.items()}
+    reads: list[int] = []
+    real = tensor_bytes.read_chunk
+
+    def failing_third(source: Any, offset: int, length: int, *args: Any) -> torch.Tensor:
+        reads.append(length)
+        if len(reads) == 3:
+            raise OSError("injected: I/O error")
+        return real(source, offset, length, *args)
+
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, state)
+        loads = _noting_loads(monkeypatch)
+        monkeypatch.setattr(tensor_bytes, "read_chunk", failing_third)
+        mgr.restore(1, target)
+    assert len(reads) == 4  # two pieces, the failed one, then the pack whole by DCP's load
+    assert loads == [{PACK_KEY}]
+    for key, value in state.items():
+        assert torch.equal(target[key].view(torch.uint8), value.view(torch.uint8)), key
+
+
+def test_a_pack_damaged_in_its_last_piece_fails_the_restore_after_copies_began(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flipped byte in the last piece of the pack, found by the file's CRC-32 once the whole
+    file is read: tensors of the earlier pieces were copied already, and the restore still
+    raises ``CorruptCheckpointError`` naming the file (from its own load of the pack)."""
+    from ckptmgr import pack_load
+
+    _small_pieces(monkeypatch)
+    state = _state()
+    target = {key: torch.zeros_like(value) for key, value in state.items()}
+    copies: list[int] = []
+    real_copy = pack_load._split_copy
+
+    def noting_copy(source: torch.Tensor, sizes: list[int], outs: list[torch.Tensor]) -> None:
+        copies.append(len(sizes))
+        real_copy(source, sizes, outs)
+
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, state)
+        (data_file,) = tmp_path.glob("*/*.distcp")
+        damaged = bytearray(data_file.read_bytes())
+        damaged[-2] ^= 0xFF
+        data_file.write_bytes(bytes(damaged))
+        monkeypatch.setattr(pack_load, "_split_copy", noting_copy)
+        loads = _noting_loads(monkeypatch)
+        with pytest.raises(CorruptCheckpointError, match=data_file.name):
+            mgr.restore(1, target)
+    assert copies  # copying had begun before the damage was found
+    assert loads == [{PACK_KEY}]
