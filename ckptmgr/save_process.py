@@ -65,6 +65,10 @@ LISTING_ATTRIBUTE = "ckptmgr_listing"
 directory (relative path -> size), listed by the coordinator's writer once ``.metadata`` was
 written (in process mode, by the daemon)."""
 
+ANSWERED_ATTRIBUTE = "ckptmgr_answered_by_daemon"
+"""Set (True) on an exception that the daemon sent back as its answer to a save: the daemon
+caught it, answered, and serves on (DCP's serving loop continues after a failed save)."""
+
 COMMITTED_ATTRIBUTE = "ckptmgr_committed"
 """Attribute of the returned DCP metadata when the writer committed the step in its ``finish``
 (:mod:`ckptmgr.daemon_commit`): what the commit returned."""
@@ -212,6 +216,11 @@ class _CallServingConnection:
         and checksums left out (they are in the commit record). Unpickling the whole answer
         (1.4 KB, a dozen classes) took the training process's writer thread, which holds the
         GIL meanwhile, 0.33 ms per save of 20,000 tensors (median of 35)."""
+        if isinstance(answer, BaseException):
+            try:
+                setattr(answer, ANSWERED_ATTRIBUTE, True)  # (travels in the exception's dict)
+            except (AttributeError, TypeError):  # (an exception type without a __dict__)
+                pass
         committed = getattr(answer, COMMITTED_ATTRIBUTE, None)
         if committed is not None and isinstance(answer, dcp_metadata.Metadata):
             answer = dcp_metadata.Metadata(state_dict_metadata={})
@@ -332,7 +341,7 @@ class SaveProcess:
         self._timeout_s = timeout_s
         self._daemon: Any = None
         self._exit_hook: multiprocessing.util.Finalize | None = None  # stops the daemon
-        self._failed = False  # the last save failed: the daemon (and its group) is replaced
+        self._failed = False  # the last save failed so that the daemon (and group) is replaced
         self._arenas_sent: set[int] = set()  # tokens of the arenas the daemon keeps
         self._kept_sent: dict[str, tuple[int, Any]] = {}  # slot -> (token, value) it keeps
         self._lock = threading.Lock()
@@ -345,7 +354,8 @@ class SaveProcess:
 
     @property
     def healthy(self) -> bool:
-        """True when a daemon is running and its last save did not fail."""
+        """True when a daemon is running and its last save did not fail (or, in a single
+        process, failed in the daemon, which answered it: see :meth:`save`)."""
         daemon = self._daemon
         return daemon is not None and daemon._save_process.is_alive() and not self._failed
 
@@ -355,8 +365,11 @@ class SaveProcess:
         """Save ``tensors`` with ``writer`` in the daemon (started first if there is none) and
         return DCP's metadata (with ``CHECKSUMS_ATTRIBUTE``; emptied, with
         ``COMMITTED_ATTRIBUTE`` alone, when the daemon's writer committed the step). Raises
-        what the daemon raised, or ``CheckpointError`` when it died. After any failure the
-        next save uses a new daemon.
+        what the daemon raised, or ``CheckpointError`` when it died. A save that the daemon
+        failed and answered (a write that failed, a commit refused) leaves it serving the next
+        save in a single process; after any other failure (the daemon died, the pipe broke), and
+        after any failure when distributed (the ranks replace their daemons together), the next
+        save uses a new daemon.
 
         ``replace_unhealthy=False`` (distributed: starting a daemon is a collective, decided by
         the ranks together before this call) starts a daemon only where there is none; a daemon
@@ -369,8 +382,14 @@ class SaveProcess:
                 staged = self._by_arena(tensors)
                 return daemon.save(staged, storage_writer=writer, no_dist=self._group is None)
             except BaseException as exc:
-                self._failed = True
                 process = daemon._save_process
+                if (
+                    self._group is None
+                    and getattr(exc, ANSWERED_ATTRIBUTE, False)
+                    and process.is_alive()
+                ):
+                    raise  # the daemon failed the save itself and serves on: kept
+                self._failed = True
                 # A broken pipe means the daemon closed its end: it died, or is dying. Its
                 # exit is awaited on its sentinel, without reaping it (another thread may).
                 broken = isinstance(exc, (OSError, EOFError))

@@ -1201,11 +1201,12 @@ def test_a_lease_taken_over_during_the_write_commits_nothing(ckpt_dir: Path) -> 
 def test_a_step_another_writer_committed_fails_the_save_and_is_left_alone(ckpt_dir: Path) -> None:
     """A step that another writer committed meanwhile is refused by the daemon's commit: the
     save fails with that error, the other writer's step stays as it was, and the next save
-    (in a new daemon) commits."""
+    commits, in the same daemon (which answered the failure and serves on: no new process)."""
     state = {"tensors": tensor_state(81, "base")}
     with process_manager(ckpt_dir) as mgr:
         assert mgr.save_async(1, state)
         mgr.join()
+        daemon = daemon_of(mgr)
         foreign = step_dir(ckpt_dir, 2)
         foreign.mkdir()
         (foreign / "commit.json").write_bytes(b"another writer's record")
@@ -1214,12 +1215,46 @@ def test_a_step_another_writer_committed_fails_the_save_and_is_left_alone(ckpt_d
             mgr.join()
         assert [p.name for p in foreign.iterdir()] == ["commit.json"]
         assert (foreign / "commit.json").read_bytes() == b"another writer's record"
+        assert save_process_of(mgr).healthy
         assert mgr.save_async(3, state)
         mgr.join()
+        assert daemon_of(mgr).pid == daemon.pid and daemon.is_alive()
         assert mgr.all_steps() == [1, 2, 3]  # storage's view: the other writer's step too
         target = zeros_like_state(state)
         mgr.restore(3, target)
         assert differences(target, state) == []
+
+
+def test_a_write_the_daemon_failed_leaves_it_serving_the_next_save(ckpt_dir: Path) -> None:
+    """A write that fails in the daemon (its file size limit lowered with ``prlimit``: the
+    kernel refuses the data file with EFBIG) fails the save, commits nothing, and the daemon,
+    which answered the failure, serves the next save once the limit is back: the same process,
+    the step bit-exact."""
+    import resource
+
+    states = {step: {"tensors": tensor_state(90 + step, "base")} for step in (1, 2, 3)}
+    with process_manager(ckpt_dir) as mgr:
+        assert mgr.save_async(1, states[1])
+        mgr.join()
+        daemon = daemon_of(mgr)
+        soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(daemon.pid, resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            assert mgr.save_async(2, states[2])
+            with pytest.raises(CheckpointError, match="File too large"):
+                mgr.join()
+        finally:
+            resource.prlimit(daemon.pid, resource.RLIMIT_FSIZE, (soft, hard))
+        assert mgr.all_steps() == [1]
+        assert not step_dir(ckpt_dir, 2).exists()
+        assert daemon.is_alive() and save_process_of(mgr).healthy
+        assert mgr.save_async(3, states[3])
+        mgr.join()
+        assert daemon_of(mgr).pid == daemon.pid
+        assert mgr.all_steps() == [1, 3]
+        target = zeros_like_state(states[3])
+        mgr.restore(3, target)
+        assert differences(target, states[3]) == []
 
 
 class _Unpicklable(Exception):
