@@ -210,10 +210,12 @@ class _CallServingConnection:
             self._connection.send(request.run())
 
     def send(self, answer: Any) -> None:
-        """Send DCP's answer. That of a save the daemon's writer committed
-        (``COMMITTED_ATTRIBUTE`` set) goes with nothing the training process does not read:
-        DCP's metadata emptied (the step's own is in its ``.metadata`` file), the file sizes
-        and checksums left out (they are in the commit record). Unpickling the whole answer
+        """Send DCP's answer. An exception (a save that failed here) is marked with
+        :data:`ANSWERED_ATTRIBUTE`: the training process then knows this daemon answered it and
+        serves on (:meth:`SaveProcess.save` keeps it). The answer to a save the daemon's writer
+        committed (``COMMITTED_ATTRIBUTE`` set) goes with nothing the training process does not
+        read: DCP's metadata emptied (the step's own is in its ``.metadata`` file), the file
+        sizes and checksums left out (they are in the commit record). Unpickling the whole answer
         (1.4 KB, a dozen classes) took the training process's writer thread, which holds the
         GIL meanwhile, 0.33 ms per save of 20,000 tensors (median of 35)."""
         if isinstance(answer, BaseException):
