@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
@@ -656,4 +657,90 @@ def test_a_state_of_vectors_and_scalars_keeps_every_destination_shape(tmp_path: 
     for key, value in target.items():
         assert value.shape == saved[key].shape, key
         assert value.untyped_storage().data_ptr() == storages[key], key
+        assert torch.equal(value, saved[key]), key
+
+
+def _copies_on_several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unpack in pieces of 64 bytes on three threads, whatever this machine's core count."""
+    monkeypatch.setattr(pack_load, "UNPACK_PIECE_BYTES", 64)
+    monkeypatch.setattr(pack_load, "unpack_threads", lambda: 3)
+
+
+def test_the_pack_is_copied_out_on_several_threads_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pieces of the pack are copied on more than one thread: the restoring thread's first
+    copy is held until another thread has made one, and that thread's next copy until the
+    restoring thread has made one (so both take part, however the GIL is handed over). Every
+    destination,
+    parameters that require grad and other layouts among them, gets the exact bits; no copying
+    thread is left once restore returns."""
+    _copies_on_several_threads(monkeypatch)
+    saved = _saved_state()
+    saved.update({f"many/{i:02d}": torch.rand(16) for i in range(48)})
+    main = threading.get_ident()
+    helper_copied, main_copied = threading.Event(), threading.Event()
+    threads: list[str] = []
+    held: list[bool] = []
+    real_copy = pack_load._split_copy
+
+    def noting_copy(source: torch.Tensor, sizes: list[int], outs: list[torch.Tensor]) -> None:
+        on_main = threading.get_ident() == main
+        if on_main and not main_copied.is_set():
+            held.append(helper_copied.wait(10))
+        elif not on_main and helper_copied.is_set():
+            held.append(main_copied.wait(10))
+        threads.append(threading.current_thread().name)
+        real_copy(source, sizes, outs)
+        (main_copied if on_main else helper_copied).set()
+
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        assert mgr.save(1, saved)
+        target = _destinations(saved)
+        target = {key: value for key, value in target.items() if key in saved}
+        target.update({key: nn.Parameter(torch.zeros(16)) for key in saved if "many/" in key})
+        monkeypatch.setattr(pack_load, "_split_copy", noting_copy)
+        mgr.restore(1, target)
+    assert held and all(held)
+    assert "ckptmgr-unpack" in threads and threading.current_thread().name in threads
+    assert len(threads) >= 10  # (pieces of 64 bytes)
+    assert not [t for t in threading.enumerate() if t.name == "ckptmgr-unpack"]
+    for key, value in target.items():
+        assert _bits_equal(value.detach(), saved[key]), key
+
+
+def test_a_copy_failing_on_another_thread_fails_the_restore_and_stops_the_copying(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: a copy made by a thread other than the restoring one fails. restore
+    raises ``CheckpointError`` with that failure as its cause, and by then every copying thread
+    has stopped (nothing is written into the state after restore raised). The restoring
+    thread's first copy, if it makes one, is held until another thread has failed one."""
+    _copies_on_several_threads(monkeypatch)
+    saved = {f"t{i:02d}": torch.rand(16) for i in range(48)}
+    main = threading.get_ident()
+    failed = threading.Event()
+    held: list[bool] = []
+
+    def failing_off_the_main_thread(*args: Any) -> None:
+        if threading.get_ident() != main:
+            failed.set()
+            raise RuntimeError("injected: a copying thread failed")
+        if not held:
+            held.append(failed.wait(10))
+        real_copy(*args)
+
+    real_copy = pack_load._split_copy
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        assert mgr.save(1, saved)
+        target = {key: torch.zeros(16) for key in saved}
+        monkeypatch.setattr(pack_load, "_split_copy", failing_off_the_main_thread)
+        with pytest.raises(CheckpointError, match="injected: a copying thread") as caught:
+            mgr.restore(1, target)
+        assert not [t for t in threading.enumerate() if t.name == "ckptmgr-unpack"]
+        monkeypatch.setattr(pack_load, "_split_copy", real_copy)
+        mgr.restore(1, target)  # (the next restore, on several threads again, is whole)
+    assert failed.is_set() and all(held)  # (the restoring thread may have copied nothing)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    for key, value in target.items():
         assert torch.equal(value, saved[key]), key
