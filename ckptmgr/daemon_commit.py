@@ -16,11 +16,11 @@ holds), confirms the owner lease from storage, commits the step
 (:func:`ckptmgr.storage.commit_local_step`) and lists the committed steps for retention; with a
 :class:`DaemonRetention` (ckptmgr's own policies) it plans retention over that listing, reads the
 lease again and deletes what is not kept. The answer carries a :class:`DaemonCommitResult`;
-what the commit raised fails the save as a failed commit would (nothing is committed then, or,
-if the daemon died after the rename, a step is committed that the training process reports as
-failed: never a half-written one). What retention meets (a policy that raises, a lost lease, a
-failed deletion) is in the result: the step stays committed, and nothing, or what could be, is
-deleted.
+what the commit raised fails the save as a failed commit would (nothing is committed then:
+never a half-written step). A save that fails after the rename (the daemon died during its
+retention, say) finds its record in storage, and the training process reports it committed.
+What retention meets (a policy that raises, a lost lease, a failed deletion) is in the result:
+the step stays committed, and nothing, or what could be, is deleted.
 
 Used for single-process saves on a local disk only: under ``torch.distributed`` rank 0 commits
 after hearing from every rank, in the training process.

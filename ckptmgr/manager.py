@@ -722,6 +722,10 @@ class CheckpointManager:
         if daemon_commit is not None and local_error is None:  # (non-distributed: rank 0)
             committed: DaemonCommitResult = getattr(dcp_metadata, COMMITTED_ATTRIBUTE)
             outcome = self._after_daemon_commit(request, daemon_commit, committed)
+        elif daemon_commit is not None and self._committed_before_failing(
+            step, save_id, local_error
+        ):
+            outcome = self._plan_after_commit(step, None)
         elif comm.is_coordinator:
             if isinstance(local_error, LeaseLostError) and self._lease is not None:
                 self._lease.note_lost(local_error)  # found by the daemon: no more saves either
@@ -926,6 +930,31 @@ class CheckpointManager:
             deleted_by_daemon=True,
             deletion_error=result.deletion_error,
         )
+
+    def _committed_before_failing(
+        self, step: int, save_id: str, error: BaseException | None
+    ) -> bool:
+        """True when the daemon committed ``step`` for the save ``save_id`` although the save
+        failed with ``error`` (the daemon died after the rename, during its retention, say):
+        the step's record in storage is this save's. The step is then reported committed, as it
+        is, and retention is planned here; any other record, or none, leaves the failure."""
+        try:
+            record = self._storage.read_record(step)
+        except Exception:  # (nothing committed, or not readable: the save failed)
+            return False
+        if record.save_id != save_id:
+            return False
+        log.warning(
+            "the checkpoint daemon committed step %d, then failed before it answered (%s); "
+            "the step is committed",
+            step,
+            error,
+        )
+        if self._policy is not None:
+            self._records.remember(
+                retention.CheckpointInfo(step, record.committed_at, dict(record.metrics))
+            )
+        return True
 
     def _plan_after_commit(self, step: int, listed: list[int] | None) -> _SaveOutcome:
         """The outcome of a committed save: retention's plan after it (over ``listed``, the

@@ -569,6 +569,52 @@ def test_daemon_killed_during_a_save_fails_that_save_only(ckpt_dir: Path) -> Non
             assert differences(target, saved, f"step {step}") == []
 
 
+def test_a_daemon_killed_after_its_commit_leaves_the_step_committed_and_reported_so(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The daemon commits step 2, then its retention (keep one) reads step 1's record, which is
+    a FIFO with no writer (the read blocks): the daemon is killed (SIGKILL) there, after the
+    rename and before its answer. The save is reported committed (join raises nothing, a
+    warning says so), retention runs in the training process instead (step 1, its record put
+    back first, is deleted), step 2 restores bit-exact, and the next save gets a new daemon."""
+    first = tensor_state(24, "base")
+    committed = tensor_state(25, "base")
+    after = tensor_state(26, "base")
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as thread_mode:
+        assert thread_mode.save(1, {"tensors": first})
+    record = step_dir(ckpt_dir, 1) / "commit.json"
+    saved_record = ckpt_dir / "step-1-record.json"
+    os.replace(record, saved_record)
+    os.mkfifo(record)
+    with process_manager(ckpt_dir, max_to_keep=1) as mgr:
+        try:
+            with caplog.at_level(logging.WARNING, logger="ckptmgr"):
+                assert mgr.save_async(2, {"tensors": committed})
+                deadline = time.monotonic() + POLL_TIMEOUT_S
+                while not (step_dir(ckpt_dir, 2) / "commit.json").exists():
+                    assert time.monotonic() < deadline, "step 2 was never committed"
+                    time.sleep(0.01)
+                daemon = daemon_of(mgr)
+        finally:
+            os.replace(saved_record, record)  # (the daemon still waits on the FIFO it opened)
+        assert daemon.is_alive()  # (blocked in its retention: it cannot have answered)
+        kill_and_reap(daemon)
+        with caplog.at_level(logging.WARNING, logger="ckptmgr"):
+            mgr.join()
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("committed step 2, then failed" in m for m in messages), messages
+        assert mgr.all_steps() == [2]
+        assert not step_dir(ckpt_dir, 1).exists()
+        target = zeros_like_state(committed)
+        mgr.restore(2, {"tensors": target})
+        assert differences(target, committed, "step 2") == []
+
+        assert mgr.save_async(3, {"tensors": after})
+        mgr.join()
+        assert save_process_of(mgr).pid not in (None, daemon.pid)
+        assert mgr.all_steps() == [3]
+
+
 def test_signals_to_the_whole_process_group_leave_the_daemon_and_its_save_alone(
     ckpt_dir: Path,
 ) -> None:
