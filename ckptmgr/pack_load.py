@@ -1,10 +1,12 @@
 """Restoring packed tensors (see :mod:`ckptmgr.packing`): match, check, and copy out of the pack.
 
 With thousands of small tensors, restore's cost is per tensor, so this module does one pass over
-the destinations that matches each against the record (its offset, dtype and shape) and one
-``torch.split_with_sizes_copy`` per run of back-to-back tensors of one dtype on one device, which
-copies the pack's pieces straight into the destinations without making a view of each piece (for
-a device such as CUDA, after one host-to-device copy of the run's bytes).
+the destinations that matches each against the record (its offset, dtype and shape) and copies
+runs of back-to-back tensors of one dtype on one device with ``torch.split_with_sizes_copy``,
+which copies the pack's pieces straight into the destinations without making a view of each
+piece: on the CPU one call per piece of about ``UNPACK_PIECE_BYTES``, on up to
+:func:`unpack_threads` threads; on a device such as CUDA one call per run, after one
+host-to-device copy of the run's bytes.
 """
 
 from __future__ import annotations
