@@ -111,7 +111,8 @@ def pack(
 
     The pack is one new CPU tensor: the small tensors grouped by dtype, groups in decreasing
     item size (so every tensor's offset is a multiple of its item size, with no padding), each
-    group flattened in one call per device it lies on (and copied to the host once from there).
+    group flattened straight into it in one call per device it lies on (on a device, then copied
+    into it once from there).
     Successive saves of one state pack faster through a :class:`SavePacker`.
     """
     return SavePacker().pack(tensors, may_pack)
@@ -132,7 +133,8 @@ class SavePacker:
     def __init__(self) -> None:
         self._quick: tuple[object, ...] | None = None
         self._placed: dict[str, PackedTensor] = {}
-        self._runs: list[tuple[torch.dtype, list[str]]] = []
+        self._runs: list[tuple[torch.dtype, list[str], int, int]] = []  # (+ first, end byte)
+        self._pack_bytes = 0
         self._unpacked: list[str] = []
         self._fingerprint = fingerprint({})
 
@@ -155,19 +157,22 @@ class SavePacker:
             check_names(tensors)
             placed = pack_layout(tensors, candidates(tensors, may_pack))
             self._placed = placed
-            self._runs = _runs(placed, placed) if placed else []
+            self._runs = [
+                (dtype, run, placed[run[0]].offset, placed[run[-1]].offset + placed[run[-1]].nbytes)
+                for dtype, run in (_runs(placed, placed) if placed else [])
+            ]
+            self._pack_bytes = max((end for _, _, _, end in self._runs), default=0)
             self._unpacked = [key for key in tensors if key not in placed]
             self._fingerprint = fingerprint(placed)
             self._quick = quick
         if not self._placed:
             return dict(tensors), {}
         stored = {key: tensors[key] for key in self._unpacked}
-        flats: list[torch.Tensor] = []
+        pack_buffer = torch.empty(self._pack_bytes, dtype=torch.uint8)
         with torch.no_grad():  # parameters: no autograd graph (cat resolves conj and neg views)
-            for dtype, run in self._runs:
-                flat = _flatten_on_host([tensors[key] for key in run])
-                flats.append(flat.view(torch.uint8) if dtype != torch.uint8 else flat)
-            stored[PACK_KEY] = torch.cat(flats)
+            for dtype, run, start, end in self._runs:
+                _flatten_on_host([tensors[key] for key in run], pack_buffer[start:end].view(dtype))
+        stored[PACK_KEY] = pack_buffer
         return stored, self._placed
 
 
@@ -176,15 +181,17 @@ FLATTEN_MAX_DEVICE_BYTES = 32 * 2**20
 copy to the host (a temporary there: device memory may be nearly all in use)."""
 
 
-def _flatten_on_host(members: list[torch.Tensor]) -> torch.Tensor:
-    """``members`` (of one dtype) flattened back to back into one CPU tensor: each stretch of
-    members on one device (up to ``FLATTEN_MAX_DEVICE_BYTES``) in one call there, then copied to
-    the host in one piece."""
+def _flatten_on_host(members: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``members`` (of one dtype) written back to back into the 1-d CPU tensor ``out`` (of
+    their dtype and total size): each stretch of members on one device (up to
+    ``FLATTEN_MAX_DEVICE_BYTES``) flattened in one call there, then copied into ``out`` in one
+    piece."""
     if all(map(_IS_CPU, members)):
-        return _flatten(members)
-    parts: list[torch.Tensor] = []
+        _flatten(members, out)
+        return
     start = 0
     stretch_bytes = 0
+    filled = 0
     for end in range(len(members) + 1):
         if end < len(members):
             member = members[end]
@@ -195,27 +202,36 @@ def _flatten_on_host(members: list[torch.Tensor]) -> torch.Tensor:
             ):
                 stretch_bytes += nbytes
                 continue
-        parts.append(_flatten(members[start:end]).cpu())
+        stretch = members[start:end]
+        items = stretch_bytes // out.element_size()
+        if stretch[0].is_cpu:
+            _flatten(stretch, out[filled : filled + items])
+        else:
+            flat = torch.empty(items, dtype=out.dtype, device=stretch[0].device)
+            _flatten(stretch, flat)
+            out[filled : filled + items].copy_(flat)
+        filled += items
         start = end
         stretch_bytes = nbytes if end < len(members) else 0
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 _IS_CPU = operator.attrgetter("is_cpu")
 
 
-def _flatten(members: list[torch.Tensor]) -> torch.Tensor:
-    """``members`` (of one dtype, on one device) back to back in one new 1-d tensor: one
+def _flatten(members: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``members`` (of one dtype, on ``out``'s device) back to back into the 1-d ``out``: one
     ``torch.cat``, of the members as they are when all are 1-d (a view of each otherwise costs
     as much again with thousands of them)."""
     dims = list(map(torch.Tensor.dim, members))
     if dims.count(1) == len(dims):
-        return torch.cat(members)
-    return torch.cat(
+        torch.cat(members, out=out)
+        return
+    torch.cat(
         [
             member.reshape(-1) if dim != 1 else member
             for member, dim in zip(members, dims, strict=True)
-        ]
+        ],
+        out=out,
     )
 
 

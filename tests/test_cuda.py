@@ -400,12 +400,12 @@ def test_small_device_tensors_flattened_in_bounded_pieces(
     monkeypatch.setattr(packing, "FLATTEN_MAX_DEVICE_BYTES", bound)
     pieces: list[tuple[int, int]] = []  # (members, bytes) of each flatten of device tensors
 
-    def watched(flatten: Callable[[list[torch.Tensor]], torch.Tensor]) -> Callable[..., object]:
-        def flatten_and_note(members: list[torch.Tensor]) -> torch.Tensor:
+    def watched(flatten: Callable[..., object]) -> Callable[..., object]:
+        def flatten_and_note(members: list[torch.Tensor], *out: torch.Tensor) -> object:
             if members and not members[0].is_cpu:
                 nbytes = sum(m.numel() * m.element_size() for m in members)
                 pieces.append((len(members), nbytes))
-            return flatten(members)
+            return flatten(members, *out)
 
         return flatten_and_note
 

@@ -145,3 +145,29 @@ def test_record_table_lists_stored_then_packed_tensors_each_name_once() -> None:
         step=1, save_id="s", committed_at=utc_now(), world_size=1, tensor_table=table
     )
     assert CommitRecord.from_json(record.to_json()).tensor_table == table
+
+
+def test_each_run_is_flattened_straight_into_the_pack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed bytes are copied once: each run of one dtype is flattened into its place in
+    the pack buffer, with no flattened temporary copied into the pack again (which held every
+    packed byte twice at once during a save() of many small tensors). Counted: the bytes that
+    ``torch.cat`` writes during a pack, and the pack's bytes, equal."""
+    state = _tricky_state()
+    written: list[int] = []
+    real_cat = torch.cat
+
+    def counting_cat(*args: object, **kwargs: object) -> torch.Tensor:
+        result = real_cat(*args, **kwargs)  # type: ignore[call-overload]
+        written.append(result.numel() * result.element_size())
+        return result
+
+    packer = packing.SavePacker()
+    for _ in range(2):  # the layout made, then reused
+        written.clear()
+        monkeypatch.setattr(torch, "cat", counting_cat)
+        stored, placed = packer.pack(state)
+        monkeypatch.undo()
+        pack = stored[packing.PACK_KEY]
+        assert len(written) == len({where.dtype for where in placed.values()})  # one per run
+        assert sum(written) == pack.numel()
+        assert torch.equal(pack, _expected_pack(state, placed))
