@@ -551,8 +551,9 @@ def _copy_pieces(buffer: torch.Tensor, pieces: list[_Piece], filled_to: FilledTo
         for thread in threads:
             if thread.ident is not None:
                 thread.join()
-    if failures[0] is not _STOP:
-        raise failures[0]
+    failed = [failure for failure in failures if failure is not _STOP]
+    if failed:  # (also one that failed its last piece after this thread ran out of pieces)
+        raise failed[0]
 
 
 _STOP = PackReadStopped("(the copying threads were told to stop)")

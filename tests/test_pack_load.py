@@ -744,3 +744,41 @@ def test_a_copy_failing_on_another_thread_fails_the_restore_and_stops_the_copyin
     assert isinstance(caught.value.__cause__, RuntimeError)
     for key, value in target.items():
         assert torch.equal(value, saved[key]), key
+
+
+def test_a_copy_failing_on_another_thread_after_the_restoring_thread_ran_out_still_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: the other copying thread fails its one piece only once the restoring
+    thread has copied every other piece (and so has stopped taking pieces): restore still
+    raises ``CheckpointError`` for it, rather than returning with that piece not copied."""
+    monkeypatch.setattr(pack_load, "UNPACK_PIECE_BYTES", 64)
+    monkeypatch.setattr(pack_load, "unpack_threads", lambda: 2)
+    saved = {f"t{i:02d}": torch.rand(16) for i in range(48)}  # 64 bytes each: 48 pieces
+    main = threading.get_ident()
+    progress = threading.Condition()
+    copied_here: list[int] = []
+    taken_there = threading.Event()
+    held: list[bool] = []
+
+    def failing_last_off_the_main_thread(*args: Any) -> None:
+        if threading.get_ident() != main:
+            taken_there.set()
+            with progress:
+                held.append(progress.wait_for(lambda: len(copied_here) == 47, timeout=10))
+            raise RuntimeError("injected: the other thread's piece failed last")
+        if not copied_here:
+            held.append(taken_there.wait(10))
+        real_copy(*args)
+        with progress:
+            copied_here.append(1)
+            progress.notify_all()
+
+    real_copy = pack_load._split_copy
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        assert mgr.save(1, saved)
+        target = {key: torch.zeros(16) for key in saved}
+        monkeypatch.setattr(pack_load, "_split_copy", failing_last_off_the_main_thread)
+        with pytest.raises(CheckpointError, match="failed last"):
+            mgr.restore(1, target)
+    assert held == [True, True] and len(copied_here) == 47

@@ -379,28 +379,45 @@ def test_a_pack_damaged_in_its_last_piece_fails_the_restore_after_copies_began(
 ) -> None:
     """A flipped byte in the last piece of the pack, found by the file's CRC-32 once the whole
     file is read: tensors of the earlier pieces were copied already, and the restore still
-    raises ``CorruptCheckpointError`` naming the file (from its own load of the pack)."""
+    raises ``CorruptCheckpointError`` naming the file (from its own load of the pack). The read
+    of the last piece is held until a first copy is made, so that copying has begun for certain
+    (the read of a few small pieces can otherwise end before any copy)."""
     from ckptmgr import pack_load
 
     _small_pieces(monkeypatch)
     state = _state()
     target = {key: torch.zeros_like(value) for key, value in state.items()}
     copies: list[int] = []
-    real_copy = pack_load._split_copy
+    copied = threading.Event()
+    held_until_copied: list[bool] = []
+    real_read, real_copy = tensor_bytes.read_chunk, pack_load._split_copy
 
     def noting_copy(source: torch.Tensor, sizes: list[int], outs: list[torch.Tensor]) -> None:
         copies.append(len(sizes))
+        copied.set()
         real_copy(source, sizes, outs)
 
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, state)
+        size = pack_size(mgr._storage.read_record(1).tensor_table)
+        assert size is not None and size > 4 * 256  # (several pieces)
+        reads: list[int] = []
+
+        def held_read(source: Any, offset: int, length: int, *args: Any) -> torch.Tensor:
+            reads.append(length)
+            if sum(reads) == size and len(reads) > 1:  # the read ahead's last piece
+                held_until_copied.append(copied.wait(10))
+            return real_read(source, offset, length, *args)
+
         (data_file,) = tmp_path.glob("*/*.distcp")
         damaged = bytearray(data_file.read_bytes())
         damaged[-2] ^= 0xFF
         data_file.write_bytes(bytes(damaged))
+        monkeypatch.setattr(tensor_bytes, "read_chunk", held_read)
         monkeypatch.setattr(pack_load, "_split_copy", noting_copy)
         loads = _noting_loads(monkeypatch)
         with pytest.raises(CorruptCheckpointError, match=data_file.name):
             mgr.restore(1, target)
+    assert held_until_copied == [True]
     assert copies  # copying had begun before the damage was found
     assert loads == [{PACK_KEY}]
