@@ -17,6 +17,7 @@ import copy
 import json
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import subprocess
@@ -231,12 +232,16 @@ def daemon_of(mgr: CheckpointManager) -> BaseProcess:
 
 
 def kill_and_reap(process: BaseProcess) -> None:
-    """SIGKILL ``process`` (stopped or not) and wait, bounded, until it is dead."""
+    """SIGKILL ``process`` (stopped or not) and wait, bounded, until it is dead. Its end is
+    told by its sentinel, which closes as it exits, rather than by ``is_alive()``: a manager's
+    writer thread may be reaping it at the same moment, and of two threads that reap one child
+    the loser finds no child and is told it still runs."""
     if process.is_alive():
         assert process.pid is not None
         os.kill(process.pid, signal.SIGKILL)
-    process.join(timeout=DEATH_TIMEOUT_S)
-    assert not process.is_alive(), f"daemon {process.pid} still alive after SIGKILL"
+    ended = multiprocessing.connection.wait([process.sentinel], timeout=DEATH_TIMEOUT_S)
+    assert ended, f"daemon {process.pid} still alive after SIGKILL"
+    process.join(timeout=DEATH_TIMEOUT_S)  # (reaped here unless another thread did)
 
 
 @contextmanager
