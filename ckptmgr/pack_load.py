@@ -510,9 +510,9 @@ def _pieces_on_the_cpu(runs: list[_Run]) -> list[_Piece]:
 def _copy_pieces(buffer: torch.Tensor, pieces: list[_Piece], filled_to: FilledTo | None) -> None:
     """Copy ``pieces`` out of ``buffer``, each once ``filled_to`` (when given) says the read has
     passed its end, on this thread and up to ``unpack_threads() - 1`` more, which take the next
-    piece in turn. Returns once every thread has stopped (nothing is written into a destination
-    after it returns or raises); raises the first failure of any thread, after which the others
-    take no further piece."""
+    piece in turn, in this thread's inference mode. Returns once every thread has stopped
+    (nothing is written into a destination after it returns or raises); raises the first
+    failure of any thread, after which the others take no further piece."""
     helpers = min(unpack_threads(), len(pieces)) - 1
     if helpers <= 0:
         for piece in pieces:
@@ -521,9 +521,12 @@ def _copy_pieces(buffer: torch.Tensor, pieces: list[_Piece], filled_to: FilledTo
     remaining = iter(pieces)
     taking = threading.Lock()
     failures: list[BaseException] = []
+    inference = torch.is_inference_mode_enabled()
 
     def copy_in_turn() -> None:
-        with torch.no_grad():  # (grad mode is per thread: destinations may be parameters)
+        # Grad and inference mode are per thread: destinations may be parameters, or tensors
+        # made under inference mode (which refuse an in-place write outside it).
+        with torch.inference_mode(inference), torch.no_grad():
             while not failures:
                 with taking:
                     piece = next(remaining, None)

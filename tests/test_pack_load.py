@@ -782,3 +782,21 @@ def test_a_copy_failing_on_another_thread_after_the_restoring_thread_ran_out_sti
         with pytest.raises(CheckpointError, match="failed last"):
             mgr.restore(1, target)
     assert held == [True, True] and len(copied_here) == 47
+
+
+def test_inference_tensors_are_restored_under_inference_mode_on_several_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Destinations made under ``torch.inference_mode`` (a model loaded for serving) are
+    restored under it: the other copying threads copy in the calling thread's inference mode
+    (it is per thread, and an inference tensor refuses an in-place write outside it)."""
+    _copies_on_several_threads(monkeypatch)
+    saved = {f"t{i:02d}": torch.rand(16) for i in range(48)}
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
+        assert mgr.save(1, saved)
+        with torch.inference_mode():
+            target = {key: torch.zeros(16) for key in saved}
+            mgr.restore(1, target)
+    assert all(value.is_inference() for value in target.values())
+    for key, value in target.items():
+        assert torch.equal(value, saved[key]), key
