@@ -6,6 +6,7 @@ before, whenever the read ahead failed or is not used."""
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,22 @@ def test_a_pack_in_one_file_with_large_tensors_is_not_read_ahead(
     assert all(torch.equal(target[key], value) for key, value in state.items())
 
 
+def _reads_failing_at(monkeypatch: pytest.MonkeyPatch, failing: int, message: str) -> list[int]:
+    """Make the ``failing``-th read of tensor bytes from now on raise ``OSError(message)``;
+    returns the lengths of the reads, as they are made (the failed one too)."""
+    reads: list[int] = []
+    real = tensor_bytes.read_chunk
+
+    def failing_read(source: Any, offset: int, length: int, *args: Any) -> torch.Tensor:
+        reads.append(length)
+        if len(reads) == failing:
+            raise OSError(message)
+        return real(source, offset, length, *args)
+
+    monkeypatch.setattr(tensor_bytes, "read_chunk", failing_read)
+    return reads
+
+
 def test_a_failed_read_ahead_is_read_again_by_restore(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -148,20 +165,11 @@ def test_a_failed_read_ahead_is_read_again_by_restore(
     itself with DCP's load and succeeds."""
     state = _state()
     target = {key: torch.zeros_like(value) for key, value in state.items()}
-    reads: list[int] = []
-    real = tensor_bytes.read_chunk
-
-    def failing_first(source: Any, offset: int, length: int, *args: Any) -> torch.Tensor:
-        reads.append(length)
-        if len(reads) == 1:
-            raise OSError("injected: connection reset")
-        return real(source, offset, length, *args)
-
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, state)
         pack_bytes = pack_size(mgr._storage.read_record(1).tensor_table)
         loads = _noting_loads(monkeypatch)
-        monkeypatch.setattr(tensor_bytes, "read_chunk", failing_first)
+        reads = _reads_failing_at(monkeypatch, 1, "injected: connection reset")
         mgr.restore(1, target)
     assert reads == [pack_bytes, pack_bytes]
     assert loads == [{PACK_KEY}]
@@ -305,6 +313,47 @@ def _small_pieces(monkeypatch: pytest.MonkeyPatch, piece_bytes: int = 256) -> No
     monkeypatch.setattr(pack_load, "UNPACK_PIECE_BYTES", piece_bytes)
 
 
+@dataclass
+class _HeldLastPiece:
+    """What :func:`_hold_the_last_piece_until_a_copy` notes: the pack's ``size``, the lengths
+    of the reads, the tensors of each copy out of the pack, and whether each hold of the last
+    piece's read ended with a copy made."""
+
+    size: int
+    reads: list[int] = field(default_factory=list)
+    copies: list[int] = field(default_factory=list)
+    held: list[bool] = field(default_factory=list)
+
+
+def _hold_the_last_piece_until_a_copy(
+    monkeypatch: pytest.MonkeyPatch, mgr: CheckpointManager
+) -> _HeldLastPiece:
+    """Hold the read of the last piece of step 1's pack (read in several pieces) until a first
+    copy out of the pack is made (bounded), noting the reads and copies."""
+    from ckptmgr import pack_load
+
+    size = pack_size(mgr._storage.read_record(1).tensor_table)
+    assert size is not None and size > 4 * 256  # (several pieces)
+    noted = _HeldLastPiece(size)
+    copied = threading.Event()
+    real_read, real_copy = tensor_bytes.read_chunk, pack_load._split_copy
+
+    def held_read(source: Any, offset: int, length: int, *args: Any) -> torch.Tensor:
+        noted.reads.append(length)
+        if sum(noted.reads) == size and len(noted.reads) > 1:  # the read ahead's last piece
+            noted.held.append(copied.wait(10))
+        return real_read(source, offset, length, *args)
+
+    def noting_copy(source: torch.Tensor, sizes: list[int], outs: list[torch.Tensor]) -> None:
+        noted.copies.append(len(sizes))
+        copied.set()
+        real_copy(source, sizes, outs)
+
+    monkeypatch.setattr(tensor_bytes, "read_chunk", held_read)
+    monkeypatch.setattr(pack_load, "_split_copy", noting_copy)
+    return noted
+
+
 def test_restore_copies_tensors_out_of_the_pack_while_the_rest_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -312,36 +361,16 @@ def test_restore_copies_tensors_out_of_the_pack_while_the_rest_is_read(
     pieces already read while the rest is still being read: the read of the last piece is held
     until a first copy out of the pack is made (which a restore waiting for the whole read
     never makes). Every tensor round-trips bit-exact; the pack is read once."""
-    from ckptmgr import pack_load
-
     _small_pieces(monkeypatch)
     state = _state()
     target = {key: torch.zeros_like(value) for key, value in state.items()}
-    copied = threading.Event()
-    held_until_copied: list[bool] = []
-    real_read, real_copy = tensor_bytes.read_chunk, pack_load._split_copy
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, state)
-        size = pack_size(mgr._storage.read_record(1).tensor_table)
-        assert size is not None and size > 4 * 256  # (several pieces)
-        reads: list[int] = []
-
-        def held_read(source: Any, offset: int, length: int, *args: Any) -> torch.Tensor:
-            reads.append(length)
-            if sum(reads) == size and len(reads) > 1:  # the last piece of the pack
-                held_until_copied.append(copied.wait(10))
-            return real_read(source, offset, length, *args)
-
-        def noting_copy(*args: Any) -> None:
-            copied.set()
-            real_copy(*args)
-
-        monkeypatch.setattr(tensor_bytes, "read_chunk", held_read)
-        monkeypatch.setattr(pack_load, "_split_copy", noting_copy)
+        noted = _hold_the_last_piece_until_a_copy(monkeypatch, mgr)
         loads = _noting_loads(monkeypatch)
         mgr.restore(1, target)
-    assert held_until_copied == [True]
-    assert sum(reads) == size and loads == []
+    assert noted.held == [True]
+    assert sum(noted.reads) == noted.size and loads == []
     for key, value in state.items():
         assert torch.equal(target[key].view(torch.uint8), value.view(torch.uint8)), key
 
@@ -354,19 +383,10 @@ def test_a_read_ahead_failing_after_its_first_piece_is_read_again_by_restore(
     _small_pieces(monkeypatch)
     state = _state()
     target = {key: torch.zeros_like(value) for key, value in state.items()}
-    reads: list[int] = []
-    real = tensor_bytes.read_chunk
-
-    def failing_third(source: Any, offset: int, length: int, *args: Any) -> torch.Tensor:
-        reads.append(length)
-        if len(reads) == 3:
-            raise OSError("injected: I/O error")
-        return real(source, offset, length, *args)
-
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, state)
         loads = _noting_loads(monkeypatch)
-        monkeypatch.setattr(tensor_bytes, "read_chunk", failing_third)
+        reads = _reads_failing_at(monkeypatch, 3, "injected: I/O error")
         mgr.restore(1, target)
     assert len(reads) == 4  # two pieces, the failed one, then the pack whole by DCP's load
     assert loads == [{PACK_KEY}]
@@ -382,42 +402,19 @@ def test_a_pack_damaged_in_its_last_piece_fails_the_restore_after_copies_began(
     raises ``CorruptCheckpointError`` naming the file (from its own load of the pack). The read
     of the last piece is held until a first copy is made, so that copying has begun for certain
     (the read of a few small pieces can otherwise end before any copy)."""
-    from ckptmgr import pack_load
-
     _small_pieces(monkeypatch)
     state = _state()
     target = {key: torch.zeros_like(value) for key, value in state.items()}
-    copies: list[int] = []
-    copied = threading.Event()
-    held_until_copied: list[bool] = []
-    real_read, real_copy = tensor_bytes.read_chunk, pack_load._split_copy
-
-    def noting_copy(source: torch.Tensor, sizes: list[int], outs: list[torch.Tensor]) -> None:
-        copies.append(len(sizes))
-        copied.set()
-        real_copy(source, sizes, outs)
-
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, state)
-        size = pack_size(mgr._storage.read_record(1).tensor_table)
-        assert size is not None and size > 4 * 256  # (several pieces)
-        reads: list[int] = []
-
-        def held_read(source: Any, offset: int, length: int, *args: Any) -> torch.Tensor:
-            reads.append(length)
-            if sum(reads) == size and len(reads) > 1:  # the read ahead's last piece
-                held_until_copied.append(copied.wait(10))
-            return real_read(source, offset, length, *args)
-
         (data_file,) = tmp_path.glob("*/*.distcp")
         damaged = bytearray(data_file.read_bytes())
         damaged[-2] ^= 0xFF
         data_file.write_bytes(bytes(damaged))
-        monkeypatch.setattr(tensor_bytes, "read_chunk", held_read)
-        monkeypatch.setattr(pack_load, "_split_copy", noting_copy)
+        noted = _hold_the_last_piece_until_a_copy(monkeypatch, mgr)
         loads = _noting_loads(monkeypatch)
         with pytest.raises(CorruptCheckpointError, match=data_file.name):
             mgr.restore(1, target)
-    assert held_until_copied == [True]
-    assert copies  # copying had begun before the damage was found
+    assert noted.held == [True]
+    assert noted.copies  # copying had begun before the damage was found
     assert loads == [{PACK_KEY}]
