@@ -276,6 +276,15 @@ def test_damaged_metadata_fails_the_read_ahead_before_its_thread_starts(tmp_path
     assert not read.wait() and not read.skipped
 
 
+def _flip_a_byte_of_the_data_file(root: Path, index: int) -> Path:
+    """Flip the byte at ``index`` of the one data file under ``root``; returns that file."""
+    (data_file,) = root.glob("*/*.distcp")
+    damaged = bytearray(data_file.read_bytes())
+    damaged[index] ^= 0xFF
+    data_file.write_bytes(bytes(damaged))
+    return data_file
+
+
 def test_a_damaged_pack_fails_the_read_ahead_and_restore_names_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -285,10 +294,7 @@ def test_a_damaged_pack_fails_the_read_ahead_and_restore_names_the_file(
     target = {key: torch.zeros_like(value) for key, value in state.items()}
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, state)
-        (data_file,) = tmp_path.glob("*/*.distcp")
-        damaged = bytearray(data_file.read_bytes())
-        damaged[5] ^= 0xFF
-        data_file.write_bytes(bytes(damaged))
+        data_file = _flip_a_byte_of_the_data_file(tmp_path, 5)
         outcomes: list[bool] = []
         real_wait = PackReadAhead.wait
 
@@ -407,10 +413,7 @@ def test_a_pack_damaged_in_its_last_piece_fails_the_restore_after_copies_began(
     target = {key: torch.zeros_like(value) for key, value in state.items()}
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, state)
-        (data_file,) = tmp_path.glob("*/*.distcp")
-        damaged = bytearray(data_file.read_bytes())
-        damaged[-2] ^= 0xFF
-        data_file.write_bytes(bytes(damaged))
+        data_file = _flip_a_byte_of_the_data_file(tmp_path, -2)
         noted = _hold_the_last_piece_until_a_copy(monkeypatch, mgr)
         loads = _noting_loads(monkeypatch)
         with pytest.raises(CorruptCheckpointError, match=data_file.name):
