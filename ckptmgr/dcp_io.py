@@ -2,7 +2,8 @@
 
 DCP stores its global ``.metadata`` with pickle and loads non-tensor items with
 ``torch.load(weights_only=False)``. ckptmgr stores only tensors through DCP and reads the
-metadata with torch's weights-only unpickler, restricted to DCP's own metadata classes.
+metadata with an unpickler restricted to DCP's own metadata classes
+(:mod:`ckptmgr.safe_metadata`).
 
 Every file DCP writes is checksummed (CRC-32) while its bytes stream out, into the writer's
 ``checksums`` (:class:`~ckptmgr.integrity.ChecksumLog`), and every file a reader opens is checked
@@ -17,10 +18,8 @@ downloaded in one retried call, and ``.metadata`` is written directly instead of
 
 from __future__ import annotations
 
-import collections
 import io
 import os
-import pathlib
 import pickle
 import tempfile
 import threading
@@ -66,6 +65,7 @@ from ckptmgr.integrity import (
     crc32_of_stream,
 )
 from ckptmgr.retry import Retrier, RetryConfig
+from ckptmgr.safe_metadata import load_metadata_safely
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, COMMITTED_ATTRIBUTE, LISTING_ATTRIBUTE
 from ckptmgr.storage import is_object_store, local_file_sizes, open_filesystem, write_synced
 
@@ -87,99 +87,6 @@ warnings.filterwarnings(
     category=UserWarning,
 )
 
-_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    (_DCP_METADATA_MODULE, name): getattr(dcp_metadata, name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-    if hasattr(dcp_metadata, name)
-}
-_ALLOWED_GLOBALS[("torch", "Size")] = torch.Size
-_ALLOWED_GLOBALS[("pathlib", "PosixPath")] = pathlib.PurePosixPath
-_ALLOWED_GLOBALS[("pathlib", "WindowsPath")] = pathlib.PureWindowsPath
-_ALLOWED_GLOBALS[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
-_ALLOWED_GLOBALS[("pathlib", "PureWindowsPath")] = pathlib.PureWindowsPath
-_ALLOWED_GLOBALS[("collections", "OrderedDict")] = collections.OrderedDict
-if _StorageInfo is not None:
-    _ALLOWED_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
-
-
-# torch's dtypes, layouts and memory formats by name, read from the module's own namespace:
-# a name from the file never reaches getattr(torch, ...), whose lazy submodules would import.
-_TORCH_ENUMS: dict[str, Any] = {
-    name: value
-    for name, value in vars(torch).items()
-    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
-}
-
-
-def _layout_by_name(name: str) -> torch.layout:
-    layout = _TORCH_ENUMS.get(name.removeprefix("torch."))
-    if not isinstance(layout, torch.layout):
-        raise pickle.UnpicklingError(f"unknown tensor layout {name!r}")
-    return layout
-
-
-_ALLOWED_GLOBALS[("torch.serialization", "_get_layout")] = _layout_by_name
-
-
-_SHARED_OBJECTS = {id(value) for value in (*_ALLOWED_GLOBALS.values(), *_TORCH_ENUMS.values())}
-"""What find_class hands out: classes, functions and torch's enum objects of this process."""
-
-
-class _MetadataUnpickler(pickle._Unpickler):
-    """An unpickler that can build DCP metadata objects and nothing else.
-
-    The pure-Python unpickler, for its BUILD step: BUILD sets attributes on the object below it,
-    and the objects that :meth:`find_class` hands out are this process's own (a class, or
-    torch.float32): a file could change them for the whole process. BUILD on one is refused.
-    """
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _ALLOWED_GLOBALS.get((module, name))
-        if allowed is not None:
-            return allowed
-        if module == "torch" and name in _TORCH_ENUMS:
-            return _TORCH_ENUMS[name]
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
-    def load_build(self) -> None:
-        """BUILD, except on a shared object (a class, function or torch enum)."""
-        target = self.stack[-2]  # BUILD pops the state; the object it sets is below it
-        if id(target) in _SHARED_OBJECTS or isinstance(target, type):
-            raise pickle.UnpicklingError(
-                f"refusing to set attributes of {target!r} from checkpoint metadata"
-            )
-        super().load_build()
-
-    dispatch[pickle.BUILD[0]] = load_build
-
-
-def load_metadata_safely(stream: Any) -> dcp_metadata.Metadata:
-    """Unpickle DCP metadata allowing only DCP's metadata classes (no arbitrary code runs)."""
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
-    except Exception as exc:  # UnpicklingError, EOFError, AttributeError, ...
-        raise CorruptCheckpointError(
-            f"checkpoint metadata is not plain DCP metadata: {exc}", path=".metadata"
-        ) from exc
-    if not isinstance(metadata, dcp_metadata.Metadata):
-        raise CorruptCheckpointError(
-            f"checkpoint metadata has unexpected type {type(metadata).__name__}", path=".metadata"
-        )
-    _check_storage_paths(metadata)
-    return metadata
-
 
 def read_metadata_file(fs: Any, step_path: str) -> dcp_metadata.Metadata:
     """Read ``<step_path>/.metadata`` from the fsspec file system ``fs`` with the restricted
@@ -189,20 +96,6 @@ def read_metadata_file(fs: Any, step_path: str) -> dcp_metadata.Metadata:
             return load_metadata_safely(stream)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError("checkpoint metadata is missing", path=".metadata") from exc
-
-
-def _check_storage_paths(metadata: dcp_metadata.Metadata) -> None:
-    """Refuse metadata whose chunks live outside the step directory (or is malformed)."""
-    storage_data = getattr(metadata, "storage_data", None)
-    if storage_data is None:
-        return
-    if not isinstance(storage_data, Mapping):
-        raise CorruptCheckpointError("checkpoint metadata is malformed", path=".metadata")
-    for info in storage_data.values():
-        relative = getattr(info, "relative_path", None)
-        if not isinstance(relative, str):
-            raise CorruptCheckpointError("checkpoint metadata is malformed", path=".metadata")
-        check_relative_path(relative)
 
 
 class _SafeMetadataMixin:

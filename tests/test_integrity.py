@@ -581,7 +581,7 @@ def test_paths_in_a_record_never_leave_the_step_directory(root: str, bad_path: s
 def test_paths_in_dcp_metadata_never_leave_the_step_directory(root: str) -> None:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    from ckptmgr.dcp_io import load_metadata_safely
+    from ckptmgr.safe_metadata import load_metadata_safely
 
     with manager(root) as mgr:
         mgr.save(1, state_of(1))
