@@ -277,6 +277,10 @@ def _item_bytes(item: WriteItem) -> int:
     return numel * torch.empty((), dtype=data.properties.dtype).element_size()
 
 
+_ATTRIBUTES_OF_A_SAVE = (CHECKSUMS_ATTRIBUTE, LISTING_ATTRIBUTE, COMMITTED_ATTRIBUTE)
+"""What :meth:`_RawTensorWriter.finish` puts on DCP's metadata after writing ``.metadata``."""
+
+
 class _RawTensorWriter:
     """Replaces DCP's ``write_data``: each tensor item is written as its raw bytes (see
     :mod:`ckptmgr.tensor_bytes`), one data file per writer thread (``thread_count``)."""
@@ -329,6 +333,8 @@ class _RawTensorWriter:
         ``CHECKSUMS_ATTRIBUTE``, which DCP hands back to every rank, even from a checkpoint
         daemon process; on a local disk, so does the listing of the write directory
         (``LISTING_ATTRIBUTE``), which the commit record's file list is made from."""
+        for name in _ATTRIBUTES_OF_A_SAVE:  # left by the last save on metadata DCP kept
+            vars(metadata).pop(name, None)  # (ckptmgr.save_plans): not written in .metadata
         reported: dict[str, tuple[int, int]] = {}
         stored: list[list[WriteResult]] = []
         for rank_results in results:
@@ -918,20 +924,25 @@ def make_reader(
 
 
 def save_tensors(
-    tensors: dict[str, torch.Tensor], writer: Any, group: dist.ProcessGroup | None
+    tensors: dict[str, torch.Tensor],
+    writer: Any,
+    group: dist.ProcessGroup | None,
+    planner: SavePlanner | None = None,
 ) -> dcp_metadata.Metadata:
-    """Write ``tensors`` with DCP; collective over ``group`` when distributed. A tensor of a
-    kind that cannot be stored (see :func:`tensor_bytes.check_storable`) that DCP fails on
-    before writing it (a nested tensor, in planning) raises ``CheckpointError`` naming it."""
+    """Write ``tensors`` with DCP; collective over ``group`` when distributed; ``planner``: DCP's
+    default planner when None (see :mod:`ckptmgr.save_plans` for one that keeps its plans). A
+    tensor of a kind that cannot be stored (see :func:`tensor_bytes.check_storable`) that DCP
+    fails on before writing it (a nested tensor, in planning) raises ``CheckpointError`` naming
+    it."""
     try:
         if _SAVE_WITHOUT_STATEFUL_PASS is None:
-            return dcp.save(tensors, storage_writer=writer, process_group=group)
+            return dcp.save(tensors, storage_writer=writer, process_group=group, planner=planner)
         return _SAVE_WITHOUT_STATEFUL_PASS(
             state_dict=tensors,
             storage_writer=writer,
             process_group=group,
             no_dist=not (dist.is_available() and dist.is_initialized()),
-            planner=None,
+            planner=planner,
         )
     except (KeyboardInterrupt, SystemExit):
         raise

@@ -43,6 +43,7 @@ from ckptmgr.record import (
     utc_now,
 )
 from ckptmgr.retry import RetryConfig
+from ckptmgr.save_plans import SavePlanCache
 from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
 from ckptmgr.save_process import (
     CHECKSUMS_ATTRIBUTE,
@@ -168,6 +169,7 @@ class CheckpointManager:
         self._save_packer = packing.SavePacker()  # save()'s packing, on the writer thread only
         # Names packed into one item (ckptmgr.packing); None once the ranks' packs differed.
         self._pack_filter: packing.PackFilter | None = packing.pack_filter(self._comm.world_size)
+        self._save_plans = SavePlanCache()  # DCP's plans, kept between this manager's saves
         self._schedule = schedule_from(config.save_interval, config.save_policy, time.monotonic())
         self._schedule_needs_agreement = not all(
             is_rank_independent(policy) for policy in self._schedule.policies
@@ -702,7 +704,7 @@ class CheckpointManager:
                 )
             else:
                 dcp_metadata = dcp_io.save_tensors(
-                    tensors, writer, group if comm.distributed else None
+                    tensors, writer, group if comm.distributed else None, self._save_plans.planner()
                 )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             local_error = local_error or _unwrap_dcp_error(exc)
@@ -737,6 +739,7 @@ class CheckpointManager:
             )
         outcome = comm.broadcast(outcome, group)
         if not outcome.committed:
+            self._save_plans.forget()  # (on every rank: none keeps a plan the others dropped)
             if comm.is_coordinator:
                 storage.discard(write_dir)
             error = CheckpointError(f"save of step {step} failed: {outcome.error}")
@@ -1042,7 +1045,8 @@ class CheckpointManager:
     def _releases(self) -> list[Callable[[], None]]:
         """What close() releases after the last save: daemon, preemption sources, lease."""
         parts: list[Any] = [self._save_process, self._preemption]
-        releases = [part.close for part in parts if part is not None]
+        releases = [self._save_plans.forget]
+        releases.extend(part.close for part in parts if part is not None)
         if self._lease is not None:
             releases.append(self._lease.release)
         return releases

@@ -16,6 +16,9 @@ with the repository root on ``PYTHONPATH``. Scenarios:
   must save the same step, once, and stop there.
 * ``diverge <ckpt_dir>``: saves that go wrong on one rank only (a failed copy on rank 1; a
   different step on each rank) must fail on both and commit nothing.
+* ``plans <ckpt_dir>``: saves with DCP's plans kept between them, of DTensors, per-rank and
+  replicated tensors, through structure changes on one rank and on both and a write failing on
+  rank 1 alone; every committed step restored.
 * ``learned <ckpt_dir>``: failures one rank learns of alone (retention's delete on rank 0; a
   reserved name in rank 1's state) fail the next save on both ranks, and the ranks stay in step.
 * ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
@@ -622,6 +625,106 @@ def scenario_diverge(rank: int, ckpt_dir: str) -> dict[str, Any]:
     return record
 
 
+# (step, structure, whether rank 1's write of it fails): the same structure again (no plan sent),
+# rank 1's per-rank tensor changing shape alone, both ranks' structures changing, a write failing
+# on rank 1 alone, then the first structure again.
+PLANS_SEQUENCE: list[tuple[int, str, bool]] = [
+    (1, "base", False),
+    (2, "base", False),
+    (3, "rank1", False),
+    (4, "rank1", False),
+    (5, "both", False),
+    (6, "both", True),
+    (7, "both", False),
+    (8, "base", False),
+]
+
+
+def scenario_plans(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """Saves with DCP's plans kept between them (ckptmgr.save_plans) on 2 ranks, of DTensors,
+    per-rank and replicated tensors, through the changes of ``PLANS_SEQUENCE``. Each save that
+    commits is restored into fresh tensors and compared bit for bit (as local tensors)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from ckptmgr import CheckpointManager, dcp_io
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def state_at(step: int, kind: str) -> dict[str, Any]:
+        generator = torch.Generator().manual_seed(step)  # (the same on both ranks)
+        rows = 48 if kind == "both" else 64
+        state: dict[str, Any] = {
+            "dt": distribute_tensor(torch.randn(rows, 300, generator=generator), mesh, [Shard(0)]),
+            "big": torch.full((20_000,), float(step)),
+            "r": PerRank(torch.arange(40 if kind != "base" and rank == 1 else 30) + 1000 * rank),
+        }
+        if kind == "both":
+            state["dt2"] = distribute_tensor(
+                torch.randn(10, 2000, generator=generator).double(), mesh, [Shard(1)]
+            )
+        return state
+
+    def blank(state: dict[str, Any]) -> dict[str, Any]:
+        fresh: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, DTensor):
+                fresh[key] = distribute_tensor(
+                    torch.zeros(value.shape, dtype=value.dtype), mesh, value.placements
+                )
+            elif isinstance(value, PerRank):
+                fresh[key] = PerRank(torch.zeros_like(value.value))
+            else:
+                fresh[key] = torch.zeros_like(value)
+        return fresh
+
+    def local(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return value.to_local()
+        return value.value if isinstance(value, PerRank) else value
+
+    original_write_file = dcp_io._RawTensorWriter._write_file
+    failing = {"on": False}
+
+    def write_file(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if failing["on"]:
+            raise OSError("injected on rank 1: the disk refused the write")
+        return original_write_file(self, *args, **kwargs)
+
+    dcp_io._RawTensorWriter._write_file = write_file  # type: ignore[method-assign]
+    record: dict[str, Any] = {"saves": [], "restores": []}
+    with CheckpointManager(
+        ckpt_dir,
+        1,
+        max_to_keep=20,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        chkpt_on_preemption=False,
+    ) as manager:
+        for step, kind, fails in PLANS_SEQUENCE:
+            failing["on"] = fails and rank == 1
+            state = state_at(step, kind)
+            _, error = _call(lambda state=state, step=step: manager.save(step, state))
+            failing["on"] = False
+            record["saves"].append(
+                {"step": step, "error": error, "holds_plans": manager._save_plans.holds_plans()}
+            )
+        record["steps"] = manager.all_steps()
+        for step, kind, _ in PLANS_SEQUENCE:
+            if step not in record["steps"]:
+                continue
+            expected = state_at(step, kind)
+            fresh = blank(expected)
+            _, error = _call(lambda fresh=fresh, step=step: manager.restore(step, fresh))
+            differences = {
+                key: first_difference(local(fresh[key]), local(value), key)
+                for key, value in expected.items()
+            }
+            record["restores"].append({"step": step, "error": error, "differences": differences})
+    record["holds_plans_after_close"] = manager._save_plans.holds_plans()
+    return record
+
+
 def scenario_learned(rank: int, ckpt_dir: str) -> dict[str, Any]:
     """Failures one rank learns of alone, before a save's collectives: retention's delete after
     step 2 fails on rank 0 (which alone deletes), and rank 1's state for step 5 uses the pack's
@@ -751,6 +854,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_diverge(rank, *paths))
         elif scenario == "device_wait_fails":
             record.update(scenario_device_wait_fails(rank, *paths))
+        elif scenario == "plans":
+            record.update(scenario_plans(rank, *paths))
         elif scenario == "learned":
             record.update(scenario_learned(rank, *paths))
         elif scenario == "raising_policy":

@@ -1,0 +1,68 @@
+"""DCP's save plans, kept from one save of a manager to its next.
+
+Before writing, DCP plans: every rank lists what it writes (an item per tensor, a chunk per
+DTensor shard), the coordinator gathers the lists, checks them, builds the global metadata and
+sends each rank its final plan. With thousands of DTensors that is most of a save's work on the
+writer thread (2 ranks, 5,000 small DTensors: about 0.7 of 1.8 s). A training job saves the
+same structure again and again, and DCP can keep the plans (``DefaultSavePlanner(
+enable_plan_caching=True)``, torch 2.7 and later): a rank whose local plan is unchanged sends an
+empty one, and the coordinator reuses its global plan and metadata.
+
+DCP keeps those plans in dicts on the ``SavePlanner`` class, under the planner's
+``_cached_plans_key`` (its class name by default: every planner of a process would share them,
+and a plan made for one writer would be handed to another). :class:`SavePlanCache` gives each
+manager a key of its own and forgets its plans when a save fails (so that no rank keeps a plan
+the others dropped: every rank learns of a failed save) and when the manager closes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
+
+_CACHES = (
+    "_cached_save_plan",
+    "_cached_final_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+)
+"""The class-level dicts of ``SavePlanner`` that DCP's plan caching fills (torch 2.13)."""
+
+PLAN_CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner).parameters and all(
+    isinstance(getattr(SavePlanner, name, None), dict) for name in _CACHES
+)
+"""True where this torch's DCP can keep save plans in the dicts :class:`SavePlanCache` knows."""
+
+
+class SavePlanCache:
+    """The save plans of one manager: a DCP planner that keeps them under this cache's own key
+    (:meth:`planner`), and :meth:`forget` to drop them."""
+
+    def __init__(self) -> None:
+        self.key = f"ckptmgr-{uuid.uuid4().hex}"
+        """The key of this cache's plans in DCP's dicts: unique to the manager in its process
+        (the ranks of a job each have their own; DCP never compares them)."""
+
+    def planner(self) -> SavePlanner | None:
+        """A planner for the next save that reuses this cache's plans; None where this torch
+        cannot (DCP then plans the save from scratch with its default planner)."""
+        if not PLAN_CACHING:
+            return None
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self.key
+        return planner
+
+    def holds_plans(self) -> bool:
+        """True while DCP keeps any plan under this cache's key."""
+        return any(self.key in getattr(SavePlanner, name, {}) for name in _CACHES)
+
+    def forget(self) -> None:
+        """Drop every plan kept under this cache's key (the next save plans from scratch)."""
+        for name in _CACHES:
+            kept = getattr(SavePlanner, name, None)
+            if isinstance(kept, dict):
+                kept.pop(self.key, None)
