@@ -68,6 +68,7 @@ from ckptmgr.integrity import (
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.safe_metadata import load_metadata_safely
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, COMMITTED_ATTRIBUTE, LISTING_ATTRIBUTE
+from ckptmgr.state_lookup import find_item_tensor
 from ckptmgr.storage import is_object_store, local_file_sizes, open_filesystem, write_synced
 
 try:  # _StorageInfo (an item's file, offset and length) is private; stable since torch 2.0
@@ -544,6 +545,11 @@ class TensorOnlyLoadPlanner(DefaultLoadPlanner):
 
     def __init__(self) -> None:
         super().__init__(allow_partial_load=False)
+
+    def lookup_tensor(self, index: dcp_metadata.MetadataIndex) -> torch.Tensor:
+        """The destination of an item: a DTensor's local tensor itself (see
+        :mod:`ckptmgr.state_lookup`)."""
+        return find_item_tensor(self.state_dict, index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise CheckpointError(

@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import inspect
 import uuid
+from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner
+
+from ckptmgr.state_lookup import find_item_tensor
 
 _CACHES = (
     "_cached_save_plan",
@@ -38,6 +42,14 @@ PLAN_CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner).pa
 """True where this torch's DCP can keep save plans in the dicts :class:`SavePlanCache` knows."""
 
 
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner that finds a DTensor's local tensor directly
+    (:mod:`ckptmgr.state_lookup`)."""
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return find_item_tensor(self.state_dict, index)
+
+
 class SavePlanCache:
     """The save plans of one manager: a DCP planner that keeps them under this cache's own key
     (:meth:`planner`), and :meth:`forget` to drop them."""
@@ -47,12 +59,12 @@ class SavePlanCache:
         """The key of this cache's plans in DCP's dicts: unique to the manager in its process
         (the ranks of a job each have their own; DCP never compares them)."""
 
-    def planner(self) -> SavePlanner | None:
-        """A planner for the next save that reuses this cache's plans; None where this torch
-        cannot (DCP then plans the save from scratch with its default planner)."""
+    def planner(self) -> SavePlanner:
+        """A planner for the next save that reuses this cache's plans (where this torch cannot,
+        it plans the save from scratch, as DCP's default planner does)."""
         if not PLAN_CACHING:
-            return None
-        planner = DefaultSavePlanner(enable_plan_caching=True)
+            return _SavePlanner()
+        planner = _SavePlanner(enable_plan_caching=True)
         planner._cached_plans_key = self.key
         return planner
 
