@@ -23,9 +23,10 @@ from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from ckptmgr.state_lookup import find_item_tensor
+from ckptmgr.write_items import DTensorWriteItems
 
 _CACHES = (
     "_cached_save_plan",
@@ -44,7 +45,36 @@ PLAN_CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner).pa
 
 class _SavePlanner(DefaultSavePlanner):
     """DCP's default save planner that finds a DTensor's local tensor directly
-    (:mod:`ckptmgr.state_lookup`)."""
+    (:mod:`ckptmgr.state_lookup`) and plans with the DTensors' items kept in ``write_items``
+    (:mod:`ckptmgr.write_items`; None: DCP makes every item)."""
+
+    def __init__(self, write_items: DTensorWriteItems | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._write_items = write_items
+
+    def create_local_plan(self) -> SavePlan:
+        kept = self._write_items
+        if kept is None:
+            return super().create_local_plan()
+        state_dict = self.state_dict
+        planned, used = kept.stand_ins(state_dict)
+        if not used:
+            return super().create_local_plan()
+        self.state_dict = planned
+        try:
+            plan = super().create_local_plan()
+        except Exception:
+            # planned anew: an error of the state itself is raised from there, else the
+            # stand-ins were what failed and are not used again
+            self.state_dict = state_dict
+            plan = super().create_local_plan()
+            kept.turn_off()
+            return plan
+        finally:
+            self.state_dict = state_dict
+        if kept.confirm(used):
+            return plan
+        return super().create_local_plan()
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return find_item_tensor(self.state_dict, index)
@@ -58,13 +88,15 @@ class SavePlanCache:
         self.key = f"ckptmgr-{uuid.uuid4().hex}"
         """The key of this cache's plans in DCP's dicts: unique to the manager in its process
         (the ranks of a job each have their own; DCP never compares them)."""
+        self.write_items = DTensorWriteItems()
+        """The write items of the manager's DTensors (:mod:`ckptmgr.write_items`)."""
 
     def planner(self) -> SavePlanner:
         """A planner for the next save that reuses this cache's plans (where this torch cannot,
         it plans the save from scratch, as DCP's default planner does)."""
         if not PLAN_CACHING:
-            return _SavePlanner()
-        planner = _SavePlanner(enable_plan_caching=True)
+            return _SavePlanner(self.write_items)
+        planner = _SavePlanner(self.write_items, enable_plan_caching=True)
         planner._cached_plans_key = self.key
         return planner
 
@@ -73,7 +105,9 @@ class SavePlanCache:
         return any(self.key in getattr(SavePlanner, name, {}) for name in _CACHES)
 
     def forget(self) -> None:
-        """Drop every plan kept under this cache's key (the next save plans from scratch)."""
+        """Drop every plan kept under this cache's key and the DTensors' kept items (the next
+        save plans from scratch)."""
+        self.write_items.forget()
         for name in _CACHES:
             kept = getattr(SavePlanner, name, None)
             if isinstance(kept, dict):

@@ -16,9 +16,10 @@ with the repository root on ``PYTHONPATH``. Scenarios:
   must save the same step, once, and stop there.
 * ``diverge <ckpt_dir>``: saves that go wrong on one rank only (a failed copy on rank 1; a
   different step on each rank) must fail on both and commit nothing.
-* ``plans <ckpt_dir>``: saves with DCP's plans kept between them, of DTensors, per-rank and
-  replicated tensors, through structure changes on one rank and on both and a write failing on
-  rank 1 alone; every committed step restored.
+* ``plans <ckpt_dir>``: saves with DCP's plans and the DTensors' write items kept between them,
+  of DTensors, per-rank and replicated tensors, through structure changes on one rank and on
+  both, a DTensor resharded and back, and a write failing on rank 1 alone; every committed step
+  restored.
 * ``learned <ckpt_dir>``: failures one rank learns of alone (retention's delete on rank 0; a
   reserved name in rank 1's state) fail the next save on both ranks, and the ranks stay in step.
 * ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
@@ -637,16 +638,20 @@ PLANS_SEQUENCE: list[tuple[int, str, bool]] = [
     (6, "both", True),
     (7, "both", False),
     (8, "base", False),
+    (9, "reshard", False),
+    (10, "reshard", False),
+    (11, "base", False),
 ]
 
 
 def scenario_plans(rank: int, ckpt_dir: str) -> dict[str, Any]:
-    """Saves with DCP's plans kept between them (ckptmgr.save_plans) on 2 ranks, of DTensors,
+    """Saves with DCP's plans and the DTensors' write items kept between them
+    (ckptmgr.save_plans, ckptmgr.write_items) on 2 ranks, of DTensors,
     per-rank and replicated tensors, through the changes of ``PLANS_SEQUENCE``. Each save that
     commits is restored into fresh tensors and compared bit for bit (as local tensors)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from ckptmgr import CheckpointManager, dcp_io
 
@@ -655,8 +660,9 @@ def scenario_plans(rank: int, ckpt_dir: str) -> dict[str, Any]:
     def state_at(step: int, kind: str) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(step)  # (the same on both ranks)
         rows = 48 if kind == "both" else 64
+        placements = [Replicate()] if kind == "reshard" else [Shard(0)]
         state: dict[str, Any] = {
-            "dt": distribute_tensor(torch.randn(rows, 300, generator=generator), mesh, [Shard(0)]),
+            "dt": distribute_tensor(torch.randn(rows, 300, generator=generator), mesh, placements),
             "big": torch.full((20_000,), float(step)),
             "r": PerRank(torch.arange(40 if kind != "base" and rank == 1 else 30) + 1000 * rank),
         }
@@ -707,7 +713,12 @@ def scenario_plans(rank: int, ckpt_dir: str) -> dict[str, Any]:
             _, error = _call(lambda state=state, step=step: manager.save(step, state))
             failing["on"] = False
             record["saves"].append(
-                {"step": step, "error": error, "holds_plans": manager._save_plans.holds_plans()}
+                {
+                    "step": step,
+                    "error": error,
+                    "holds_plans": manager._save_plans.holds_plans(),
+                    "holds_items": manager._save_plans.write_items.holds_items(),
+                }
             )
         record["steps"] = manager.all_steps()
         for step, kind, _ in PLANS_SEQUENCE:
@@ -722,6 +733,7 @@ def scenario_plans(rank: int, ckpt_dir: str) -> dict[str, Any]:
             }
             record["restores"].append({"step": step, "error": error, "differences": differences})
     record["holds_plans_after_close"] = manager._save_plans.holds_plans()
+    record["holds_items_after_close"] = manager._save_plans.write_items.holds_items()
     return record
 
 

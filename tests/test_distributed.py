@@ -426,9 +426,11 @@ def test_a_save_that_fails_on_one_rank_fails_on_both_and_they_stay_in_step(
 def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
     dirs: dict[str, Path],
 ) -> None:
-    """DCP's plans kept between saves (ckptmgr.save_plans): a rank whose plan is unchanged sends
-    none, a rank whose plan changed alone sends its own, a write failing on rank 1 fails the save
-    on both and both drop their plans; every committed step restores bit for bit."""
+    """DCP's plans and the DTensors' write items kept between saves (ckptmgr.save_plans,
+    ckptmgr.write_items): a rank whose plan is unchanged sends none, a rank whose plan changed
+    alone sends its own, a DTensor resharded (Shard(0) to Replicate and back) is planned anew, a
+    write failing on rank 1 fails the save on both and both drop what they kept; every
+    committed step restores bit for bit."""
     from _dist_worker import PLANS_SEQUENCE
 
     launch = _torchrun("plans", dirs["out"], dirs["ckpt"].parent / "plans")
@@ -442,15 +444,18 @@ def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
                 assert save["error"] is not None and save["error"]["is_checkpoint_error"], where
                 assert "injected on rank 1" in json.dumps(save["error"]), where
                 assert save["holds_plans"] is False, (where, step)
+                assert save["holds_items"] is False, (where, step)
             else:
                 assert save["error"] is None, (where, step, save["error"])
                 assert save["holds_plans"] is True, (where, step)
+                assert save["holds_items"] is True, (where, step)
         assert record["steps"] == committed, where
         assert [restore["step"] for restore in record["restores"]] == committed, where
         for restore in record["restores"]:
             assert restore["error"] is None, (where, restore)
             assert all(d is None for d in restore["differences"].values()), (where, restore)
         assert record["holds_plans_after_close"] is False, where
+        assert record["holds_items_after_close"] is False, where
 
 
 def test_a_failure_one_rank_learns_of_alone_fails_the_next_save_on_both(
