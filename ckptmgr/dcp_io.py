@@ -257,15 +257,20 @@ def _balanced(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
     first: every item of the first kind starts on a block boundary of its data file, where a
     direct write can take it from its (page-aligned, see ``staging.PAGE_ALIGNED_BYTES``) staged
     memory without a copy (:mod:`ckptmgr.direct_write`)."""
-    buckets: list[list[WriteItem]] = [[] for _ in range(max(1, bins))]
+    buckets: list[list[tuple[int, WriteItem]]] = [[] for _ in range(max(1, bins))]
     loads = [0] * len(buckets)
-    for item in sorted(items, key=_item_bytes, reverse=True):
+    sized = sorted(((_item_bytes(item), item) for item in items), key=_size, reverse=True)
+    for nbytes, item in sized:
         lightest = loads.index(min(loads))
-        buckets[lightest].append(item)
-        loads[lightest] += _item_bytes(item)
+        buckets[lightest].append((nbytes, item))
+        loads[lightest] += nbytes
     for bucket in buckets:
-        bucket.sort(key=lambda item: _item_bytes(item) % DIRECT_ALIGN != 0)  # (a stable sort)
-    return [bucket for bucket in buckets if bucket]
+        bucket.sort(key=lambda pair: pair[0] % DIRECT_ALIGN != 0)  # (a stable sort)
+    return [[item for _, item in bucket] for bucket in buckets if bucket]
+
+
+def _size(pair: tuple[int, WriteItem]) -> int:
+    return pair[0]
 
 
 def _item_bytes(item: WriteItem) -> int:
@@ -275,7 +280,7 @@ def _item_bytes(item: WriteItem) -> int:
     numel = 1
     for size in data.chunk.sizes:
         numel *= size
-    return numel * torch.empty((), dtype=data.properties.dtype).element_size()
+    return numel * data.properties.dtype.itemsize
 
 
 _ATTRIBUTES_OF_A_SAVE = (CHECKSUMS_ATTRIBUTE, LISTING_ATTRIBUTE, COMMITTED_ATTRIBUTE)

@@ -550,7 +550,7 @@ def read_chunk_to_device(
 def _check_chunk_length(length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> None:
     """Raise ``CorruptCheckpointError`` unless a chunk of ``sizes``/``dtype`` is ``length``
     bytes."""
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     numel = 1
     for size in sizes:
         numel *= size
