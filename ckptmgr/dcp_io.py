@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptmgr import tensor_bytes
+from ckptmgr.collective_save import save_over_group
 from ckptmgr.direct_write import DIRECT_ALIGN
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.integrity import (
@@ -939,13 +940,17 @@ def save_tensors(
     writer: Any,
     group: dist.ProcessGroup | None,
     planner: SavePlanner | None = None,
-) -> dcp_metadata.Metadata:
-    """Write ``tensors`` with DCP; collective over ``group`` when distributed; ``planner``: DCP's
-    default planner when None (see :mod:`ckptmgr.save_plans` for one that keeps its plans). A
+) -> dcp_metadata.Metadata | None:
+    """Write ``tensors`` with DCP; collective over ``group`` when distributed
+    (:mod:`ckptmgr.collective_save`: the metadata is returned on the group's rank 0 only, None
+    elsewhere); ``planner``: DCP's default planner when None (see :mod:`ckptmgr.save_plans` for
+    one that keeps its plans). A
     tensor of a kind that cannot be stored (see :func:`tensor_bytes.check_storable`) that DCP
     fails on before writing it (a nested tensor, in planning) raises ``CheckpointError`` naming
     it."""
     try:
+        if group is not None:
+            return save_over_group(tensors, writer, planner or DefaultSavePlanner(), group)
         if _SAVE_WITHOUT_STATEFUL_PASS is None:
             return dcp.save(tensors, storage_writer=writer, process_group=group, planner=planner)
         return _SAVE_WITHOUT_STATEFUL_PASS(

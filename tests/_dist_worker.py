@@ -20,6 +20,9 @@ with the repository root on ``PYTHONPATH``. Scenarios:
   of DTensors, per-rank and replicated tensors, through structure changes on one rank and on
   both, a DTensor resharded and back, and a write failing on rank 1 alone; every committed step
   restored.
+* ``collective_save <ckpt_dir>``: DCP's save over the group as ckptmgr runs it, called
+  directly: the metadata on rank 0 only, and failures injected in planning and writing on one
+  rank fail the save where they should, with the ranks' collectives still paired.
 * ``learned <ckpt_dir>``: failures one rank learns of alone (retention's delete on rank 0; a
   reserved name in rank 1's state) fail the next save on both ranks, and the ranks stay in step.
 * ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
@@ -737,6 +740,85 @@ def scenario_plans(rank: int, ckpt_dir: str) -> dict[str, Any]:
     return record
 
 
+class _Unpicklable(Exception):
+    """An exception that cannot be sent to another rank (its pickling fails)."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("this exception does not pickle")
+
+
+def scenario_collective_save(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """``dcp_io.save_tensors`` over a 2-rank group (ckptmgr.collective_save), called directly:
+    a save that succeeds, then failures injected in each of its steps on one rank (local
+    planning on rank 1, global planning on rank 0, a write on rank 1 that raises an exception
+    that does not pickle), then a save that succeeds again. Each call records what it returned
+    or raised and the files of its directory; the successful saves are read back."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptmgr import dcp_io
+    from ckptmgr.save_plans import _SavePlanner
+
+    mesh = init_device_mesh("cpu", (2,))
+    group = dist.new_group(backend="gloo")  # (the manager saves over a group of its own)
+    generator = torch.Generator().manual_seed(0)  # (the same on both ranks)
+    full = torch.randn(64, 30, generator=generator)
+    replicated = torch.randn(500, generator=generator)
+    state = {"dt": distribute_tensor(full, mesh, [Shard(0)]), "replicated": replicated}
+
+    class FailingLocalPlan(_SavePlanner):
+        def create_local_plan(self) -> Any:
+            if rank == 1:
+                raise ValueError("injected: rank 1's local plan")
+            return super().create_local_plan()
+
+    class FailingGlobalPlan(_SavePlanner):
+        def create_global_plan(self, all_plans: Any) -> Any:
+            raise ValueError("injected: rank 0's global plan")
+
+    def write_fails(plan: Any, planner: Any) -> Any:
+        raise _Unpicklable("injected: rank 1's write")
+
+    def save(name: str, planner: Any, failing_write: bool = False) -> dict[str, Any]:
+        directory = os.path.join(ckpt_dir, name)
+        writer = dcp_io.make_writer(directory, local=True, thread_count=2, storage_options={})
+        if failing_write and rank == 1:
+            writer.write_data = write_fails  # type: ignore[method-assign,union-attr]
+        seen: dict[str, Any] = {"returned": None, "raised": None, "failing_ranks": None}
+        try:
+            seen["returned"] = type(dcp_io.save_tensors(state, writer, group, planner)).__name__
+        except BaseException as exc:  # (DCP's CheckpointException is a BaseException)
+            seen["raised"] = f"{type(exc).__name__}: {exc}"
+            failures = getattr(exc, "failures", None)
+            seen["failing_ranks"] = sorted(failures) if isinstance(failures, dict) else None
+        dist.barrier()
+        seen["files"] = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+        if seen["raised"] is None:
+            fresh = {
+                "dt": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]),
+                "replicated": torch.zeros_like(replicated),
+            }
+            reader = dcp_io.make_reader(directory, local=True, storage_options={})
+            dcp_io.load_tensors(fresh, reader, group)
+            seen["read_back"] = bool(
+                torch.equal(fresh["dt"].full_tensor(), full)
+                and torch.equal(fresh["replicated"], replicated)
+            )
+        return seen
+
+    return {
+        "calls": {
+            "ok": save("ok", _SavePlanner()),
+            "local_plan": save("local_plan", FailingLocalPlan()),
+            "global_plan": save("global_plan", FailingGlobalPlan()),
+            "write": save("write", _SavePlanner(), failing_write=True),
+            "ok_again": save("ok_again", _SavePlanner()),
+        }
+    }
+
+
 def scenario_learned(rank: int, ckpt_dir: str) -> dict[str, Any]:
     """Failures one rank learns of alone, before a save's collectives: retention's delete after
     step 2 fails on rank 0 (which alone deletes), and rank 1's state for step 5 uses the pack's
@@ -868,6 +950,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_device_wait_fails(rank, *paths))
         elif scenario == "plans":
             record.update(scenario_plans(rank, *paths))
+        elif scenario == "collective_save":
+            record.update(scenario_collective_save(rank, *paths))
         elif scenario == "learned":
             record.update(scenario_learned(rank, *paths))
         elif scenario == "raising_policy":

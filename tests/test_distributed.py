@@ -458,6 +458,36 @@ def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
         assert record["holds_items_after_close"] is False, where
 
 
+def test_dcps_save_over_the_group_keeps_the_metadata_on_rank_0_and_fails_where_it_should(
+    dirs: dict[str, Path],
+) -> None:
+    """ckptmgr.collective_save: rank 0 alone gets the finished metadata (DCP's save broadcast
+    it to every rank); a planning failure on either rank fails the save on both before
+    anything is written; a write failing on rank 1 with an exception that does not pickle fails
+    it on rank 1 and on rank 0 (no .metadata); a save after them all succeeds on both."""
+    launch = _torchrun("collective_save", dirs["out"], dirs["ckpt"].parent / "collective_save")
+    records = launch.checked_records(NPROC)
+    for rank, record in records.items():
+        calls = record["calls"]
+        for name in ("ok", "ok_again"):
+            assert calls[name]["raised"] is None, (rank, name, calls[name])
+            assert calls[name]["returned"] == ("Metadata" if rank == 0 else "NoneType"), rank
+            assert calls[name]["read_back"], (rank, name)
+            assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(calls[name]["files"])
+        for name, failing_rank in (("local_plan", 1), ("global_plan", 0)):
+            call = calls[name]
+            assert call["raised"] is not None, (rank, name)
+            assert call["raised"].startswith("CheckpointException"), (rank, call)
+            assert call["failing_ranks"] == [failing_rank], (rank, call)
+            assert f"injected: rank {failing_rank}'s" in call["raised"], (rank, call)
+            assert not [f for f in call["files"] if f.endswith(".distcp")], (rank, call)
+            assert ".metadata" not in call["files"], (rank, call)
+        write = calls["write"]
+        assert write["raised"] is not None and write["failing_ranks"] == [1], (rank, write)
+        assert "injected: rank 1's write" in write["raised"], (rank, write)
+        assert ".metadata" not in write["files"], (rank, write)
+
+
 def test_a_failure_one_rank_learns_of_alone_fails_the_next_save_on_both(
     dirs: dict[str, Path],
 ) -> None:
