@@ -71,6 +71,7 @@ from ckptmgr.safe_metadata import load_metadata_safely
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, COMMITTED_ATTRIBUTE, LISTING_ATTRIBUTE
 from ckptmgr.state_lookup import find_item_tensor
 from ckptmgr.storage import is_object_store, local_file_sizes, open_filesystem, write_synced
+from ckptmgr.write_results import WriteResults
 
 try:  # _StorageInfo (an item's file, offset and length) is private; stable since torch 2.0
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -331,7 +332,7 @@ class _RawTensorWriter:
             index = dcp_metadata.MetadataIndex(f"{_CHECKSUMS_FQN}{prefix}")
             results.append(WriteResult(index=index, size_in_bytes=0, storage_data=written))
         done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
+        done.set_result(WriteResults(results))  # (sent to the coordinator: pickled compactly)
         return done
 
     def finish(self, metadata: dcp_metadata.Metadata, results: list[list[WriteResult]]) -> None:
