@@ -24,8 +24,6 @@ collectives.
 from __future__ import annotations
 
 import inspect
-import pickle
-import traceback
 from typing import Any
 
 import torch.distributed as dist
@@ -34,28 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from ckptmgr.errors import CheckpointError
-
-
-class _Failed:
-    """What a rank sends instead of its plan or write results: its exception and traceback, as
-    DCP's ``CheckpointException`` holds them."""
-
-    def __init__(self, error: BaseException) -> None:
-        summary = traceback.extract_tb(error.__traceback__)
-        for frame in summary:  # (code objects do not pickle: Python 3.13's frames hold them)
-            if hasattr(frame, "_code"):
-                object.__setattr__(frame, "_code", None)
-        try:
-            pickle.dumps(error)
-        except Exception:  # an exception that does not pickle still fails the save everywhere
-            error = CheckpointError(f"{type(error).__name__}: {error}")
-        self.wrapped = (error, summary)
-
-
-def _failures(gathered: list[Any]) -> dict[int, Any]:
-    """The wrapped exceptions of the ranks that sent a :class:`_Failed`, by rank."""
-    return {rank: got.wrapped for rank, got in enumerate(gathered) if isinstance(got, _Failed)}
+from ckptmgr.step_collectives import FailedStep, failures_of, gather_on, run_step, scatter_from
 
 
 def save_over_group(
@@ -84,21 +61,21 @@ def save_over_group(
             storage_writer.set_up_storage_writer(is_coordinator)
         return storage_writer.prepare_local_plan(planner.create_local_plan())
 
-    plans = _gather(_outcome(local_plan), group, coordinator, is_coordinator, world_size)
+    plans = gather_on(run_step(local_plan), group, coordinator, is_coordinator, world_size)
     metadata: Metadata | None = None
     replies: list[Any] | None = None
     if is_coordinator:
         assert plans is not None
-        failures = _failures(plans)
+        failures = failures_of(plans)
         if not failures:
             try:
                 global_plans, metadata = planner.create_global_plan(plans)
                 replies = storage_writer.prepare_global_plan(global_plans)
             except BaseException as exc:
-                failures[rank] = _Failed(exc).wrapped
+                failures[rank] = FailedStep(exc).wrapped
         if failures:
             replies = [CheckpointException("plan", failures)] * world_size
-    reply = _scatter(replies, group, coordinator)
+    reply = scatter_from(replies, group, coordinator)
     if isinstance(reply, CheckpointException):
         raise reply
 
@@ -107,39 +84,15 @@ def save_over_group(
         writes.wait()
         return writes.value()
 
-    written = _outcome(write)
-    results = _gather(written, group, coordinator, is_coordinator, world_size)
+    written = run_step(write)
+    results = gather_on(written, group, coordinator, is_coordinator, world_size)
     if not is_coordinator:
-        if isinstance(written, _Failed):
+        if isinstance(written, FailedStep):
             raise CheckpointException("write", {rank: written.wrapped})
         return None
     assert results is not None and metadata is not None
-    failures = _failures(results)
+    failures = failures_of(results)
     if failures:
         raise CheckpointException("write", failures)
     storage_writer.finish(metadata=metadata, results=results)
     return metadata
-
-
-def _outcome(step: Any) -> Any:
-    """What ``step()`` returns, or a :class:`_Failed` with what it raised."""
-    try:
-        return step()
-    except BaseException as exc:  # (as DCP: every rank joins the next collective regardless)
-        return _Failed(exc)
-
-
-def _gather(
-    value: Any, group: dist.ProcessGroup, coordinator: int, is_coordinator: bool, world_size: int
-) -> list[Any] | None:
-    """Every rank's ``value`` on the coordinator (in rank order), None elsewhere."""
-    gathered: list[Any] | None = [None] * world_size if is_coordinator else None
-    dist.gather_object(value, gathered, dst=coordinator, group=group)
-    return gathered
-
-
-def _scatter(values: list[Any] | None, group: dist.ProcessGroup, coordinator: int) -> Any:
-    """This rank's value of the coordinator's ``values`` (one per rank)."""
-    received: list[Any] = [None]
-    dist.scatter_object_list(received, values, src=coordinator, group=group)
-    return received[0]

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptmgr import tensor_bytes
+from ckptmgr.collective_load import load_over_group
 from ckptmgr.collective_save import save_over_group
 from ckptmgr.direct_write import DIRECT_ALIGN
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
@@ -971,7 +972,8 @@ def save_tensors(
 def load_tensors(
     tensors: dict[str, torch.Tensor], reader: Any, group: dist.ProcessGroup | None
 ) -> None:
-    """Fill ``tensors`` in place from a checkpoint with DCP.
+    """Fill ``tensors`` in place from a checkpoint with DCP; collective over ``group`` when
+    distributed (:mod:`ckptmgr.collective_load`).
 
     Damage found while reading (a file that fails its check, metadata that is refused, a tensor
     record that cannot be decoded, a missing file) raises ``CorruptCheckpointError``, whichever
@@ -980,9 +982,10 @@ def load_tensors(
     naming it.
     """
     try:
-        dcp.load(
-            tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner(), process_group=group
-        )
+        if group is not None:
+            load_over_group(tensors, reader, TensorOnlyLoadPlanner(), group)
+        else:
+            dcp.load(tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner())
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # DCP's CheckpointException is a BaseException

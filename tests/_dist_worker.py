@@ -23,6 +23,9 @@ with the repository root on ``PYTHONPATH``. Scenarios:
 * ``collective_save <ckpt_dir>``: DCP's save over the group as ckptmgr runs it, called
   directly: the metadata on rank 0 only, and failures injected in planning and writing on one
   rank fail the save where they should, with the ranks' collectives still paired.
+* ``collective_load <ckpt_dir>``: DCP's load over the group as ckptmgr runs it, called
+  directly: no exchange of plans where DCP's global step changes nothing, the exchange where a
+  planner has its own, and failures injected in planning and reading on one rank.
 * ``learned <ckpt_dir>``: failures one rank learns of alone (retention's delete on rank 0; a
   reserved name in rank 1's state) fail the next save on both ranks, and the ranks stay in step.
 * ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
@@ -819,6 +822,94 @@ def scenario_collective_save(rank: int, ckpt_dir: str) -> dict[str, Any]:
     }
 
 
+def scenario_collective_load(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """DCP's load over a 2-rank group as ckptmgr runs it (ckptmgr.collective_load), called
+    directly on a step saved by ``dcp_io.save_tensors``: with DCP's global step (no exchange of
+    plans) and with a planner whose global step is its own (the exchange), each read back and
+    with failures injected: local planning on rank 1, reading on rank 0. Each call records what
+    it raised, whether the plans went through the coordinator, and whether this rank's
+    destination was written."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptmgr import collective_load, dcp_io
+    from ckptmgr.save_plans import _SavePlanner
+
+    mesh = init_device_mesh("cpu", (2,))
+    group = dist.new_group(backend="gloo")
+    generator = torch.Generator().manual_seed(0)  # (the same on both ranks)
+    full = torch.randn(64, 30, generator=generator)
+    replicated = torch.randn(500, generator=generator)
+    directory = os.path.join(ckpt_dir, "step")
+    writer = dcp_io.make_writer(directory, local=True, thread_count=2, storage_options={})
+    state = {"dt": distribute_tensor(full, mesh, [Shard(0)]), "replicated": replicated}
+    dcp_io.save_tensors(state, writer, group, _SavePlanner())
+    dist.barrier()
+
+    scatters = {"count": 0}
+    scatter = collective_load.scatter_from
+
+    def counted_scatter(*args: Any, **kwargs: Any) -> Any:
+        scatters["count"] += 1
+        return scatter(*args, **kwargs)
+
+    collective_load.scatter_from = counted_scatter  # type: ignore[assignment]
+
+    class OwnGlobalStep(dcp_io.TensorOnlyLoadPlanner):
+        def create_global_plan(self, global_plan: Any) -> Any:
+            return super().create_global_plan(global_plan)
+
+    def failing_local_plan(base: type) -> type:
+        class FailingLocalPlan(base):  # type: ignore[misc,valid-type]
+            def create_local_plan(self) -> Any:
+                if rank == 1:
+                    raise ValueError("injected: rank 1's load plan")
+                return super().create_local_plan()
+
+        return FailingLocalPlan
+
+    def read_fails(plan: Any, planner: Any) -> Any:
+        raise OSError("injected: rank 0's read")
+
+    def load(planner: Any, failing_read: bool = False) -> dict[str, Any]:
+        fresh = {
+            "dt": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]),
+            "replicated": torch.zeros_like(replicated),
+        }
+        reader = dcp_io.make_reader(directory, local=True, storage_options={})
+        if failing_read and rank == 0:
+            reader.read_data = read_fails  # type: ignore[method-assign,union-attr]
+        scatters["count"] = 0
+        seen: dict[str, Any] = {"raised": None, "failing_ranks": None}
+        try:
+            collective_load.load_over_group(fresh, reader, planner, group)
+        except BaseException as exc:  # (DCP's CheckpointException is a BaseException)
+            seen["raised"] = f"{type(exc).__name__}: {exc}"
+            failures = getattr(exc, "failures", None)
+            seen["failing_ranks"] = sorted(failures) if isinstance(failures, dict) else None
+        dist.barrier()
+        seen["scattered"] = scatters["count"]
+        seen["written"] = bool(fresh["dt"].to_local().any() or fresh["replicated"].any())
+        seen["read_back"] = bool(
+            torch.equal(fresh["dt"].full_tensor(), full)
+            and torch.equal(fresh["replicated"], replicated)
+        )
+        return seen
+
+    calls = {
+        "dcps_global_step": load(dcp_io.TensorOnlyLoadPlanner()),
+        "own_global_step": load(OwnGlobalStep()),
+        "local_plan": load(failing_local_plan(dcp_io.TensorOnlyLoadPlanner)()),
+        "local_plan_exchanged": load(failing_local_plan(OwnGlobalStep)()),
+        "read": load(dcp_io.TensorOnlyLoadPlanner(), failing_read=True),
+        "again": load(dcp_io.TensorOnlyLoadPlanner()),
+    }
+    collective_load.scatter_from = scatter  # type: ignore[assignment]
+    return {"calls": calls}
+
+
 def scenario_learned(rank: int, ckpt_dir: str) -> dict[str, Any]:
     """Failures one rank learns of alone, before a save's collectives: retention's delete after
     step 2 fails on rank 0 (which alone deletes), and rank 1's state for step 5 uses the pack's
@@ -952,6 +1043,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_plans(rank, *paths))
         elif scenario == "collective_save":
             record.update(scenario_collective_save(rank, *paths))
+        elif scenario == "collective_load":
+            record.update(scenario_collective_load(rank, *paths))
         elif scenario == "learned":
             record.update(scenario_learned(rank, *paths))
         elif scenario == "raising_policy":

@@ -488,6 +488,33 @@ def test_dcps_save_over_the_group_keeps_the_metadata_on_rank_0_and_fails_where_i
         assert ".metadata" not in write["files"], (rank, write)
 
 
+def test_dcps_load_over_the_group_exchanges_plans_only_where_a_global_step_needs_them(
+    dirs: dict[str, Path],
+) -> None:
+    """ckptmgr.collective_load: with DCP's global load step the plans do not go through rank 0
+    (DCP's load sent them there and back), with a planner's own they do; both read back bit
+    for bit. A planning failure on rank 1 fails the load on both before either reads, in both
+    ways; a read failure on rank 0 fails it on both; a load after them reads back."""
+    launch = _torchrun("collective_load", dirs["out"], dirs["ckpt"].parent / "collective_load")
+    records = launch.checked_records(NPROC)
+    for rank, record in records.items():
+        calls = record["calls"]
+        for name, scattered in (("dcps_global_step", 0), ("own_global_step", 1), ("again", 0)):
+            call = calls[name]
+            assert call["raised"] is None, (rank, name, call)
+            assert call["read_back"] and call["scattered"] == scattered, (rank, name, call)
+        for name, scattered in (("local_plan", 0), ("local_plan_exchanged", 1)):
+            call = calls[name]
+            assert call["raised"] is not None, (rank, name)
+            assert call["raised"].startswith("CheckpointException"), (rank, call)
+            assert call["failing_ranks"] == [1], (rank, call)
+            assert "injected: rank 1's load plan" in call["raised"], (rank, call)
+            assert not call["written"] and call["scattered"] == scattered, (rank, name, call)
+        read = calls["read"]
+        assert read["raised"] is not None and read["failing_ranks"] == [0], (rank, read)
+        assert "injected: rank 0's read" in read["raised"], (rank, read)
+
+
 def test_a_failure_one_rank_learns_of_alone_fails_the_next_save_on_both(
     dirs: dict[str, Path],
 ) -> None:
