@@ -67,6 +67,7 @@ from ckptmgr.integrity import (
     crc32,
     crc32_of_stream,
 )
+from ckptmgr.load_chunks import chunk_stand_ins
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.safe_metadata import load_metadata_safely
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, COMMITTED_ATTRIBUTE, LISTING_ATTRIBUTE
@@ -549,10 +550,29 @@ class SafeFileSystemReader(_RawTensorReader, _SafeMetadataMixin, FileSystemReade
 
 
 class TensorOnlyLoadPlanner(DefaultLoadPlanner):
-    """Loads tensors in place; refuses pickled (BYTE_IO) items instead of unpickling them."""
+    """Loads tensors in place; refuses pickled (BYTE_IO) items instead of unpickling them.
+    Plans with each DTensor layout's chunk worked out once (:mod:`ckptmgr.load_chunks`)."""
 
     def __init__(self) -> None:
         super().__init__(allow_partial_load=False)
+
+    def create_local_plan(self) -> LoadPlan:
+        state_dict = self.state_dict
+        planned, used = chunk_stand_ins(state_dict)
+        if not used:
+            return super().create_local_plan()
+        self.state_dict = planned
+        try:
+            plan = super().create_local_plan()
+        except Exception:
+            # planned anew: an error of the state itself is raised from there
+            self.state_dict = state_dict
+            return super().create_local_plan()
+        finally:
+            self.state_dict = state_dict
+        if all(stand_in.calls == 1 for stand_in in used):
+            return plan
+        return super().create_local_plan()  # (DCP planned otherwise: from scratch)
 
     def lookup_tensor(self, index: dcp_metadata.MetadataIndex) -> torch.Tensor:
         """The destination of an item: a DTensor's local tensor itself (see

@@ -26,6 +26,8 @@ with the repository root on ``PYTHONPATH``. Scenarios:
 * ``collective_load <ckpt_dir>``: DCP's load over the group as ckptmgr runs it, called
   directly: no exchange of plans where DCP's global step changes nothing, the exchange where a
   planner has its own, and failures injected in planning and reading on one rank.
+* ``shared_chunks <ckpt_dir>``: restores planned with each DTensor layout's chunk worked out
+  once, into the saved layouts and resharded.
 * ``learned <ckpt_dir>``: failures one rank learns of alone (retention's delete on rank 0; a
   reserved name in rank 1's state) fail the next save on both ranks, and the ranks stay in step.
 * ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
@@ -910,6 +912,71 @@ def scenario_collective_load(rank: int, ckpt_dir: str) -> dict[str, Any]:
     return {"calls": calls}
 
 
+def scenario_shared_chunks(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """Restores planned with each DTensor layout's chunk worked out once (ckptmgr.load_chunks)
+    on 2 ranks: DTensors of repeated layouts (the same shape under other placements among them)
+    and a plain tensor, restored into the saved layouts and into others (resharding, an uneven
+    shard among them), each checked bit for bit; DCP's chunk computations are counted."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from ckptmgr import dcp_io
+    from ckptmgr.save_plans import _SavePlanner
+
+    mesh = init_device_mesh("cpu", (2,))
+    group = dist.new_group(backend="gloo")
+    generator = torch.Generator().manual_seed(0)  # (the same on both ranks)
+    full = {f"a{i}": torch.randn(64, 30, generator=generator) for i in range(6)}
+    full.update({f"b{i}": torch.randn(10, 40, generator=generator) for i in range(4)})
+    full.update({f"d{i}": torch.randn(64, 30, generator=generator) for i in range(3)})
+    full["c"] = torch.randn(7, generator=generator)
+    plain = torch.randn(100, generator=generator)
+    saved = {"a": [Shard(0)], "b": [Shard(1)], "c": [Replicate()], "d": [Replicate()]}
+    other = {"a": [Shard(1)], "b": [Replicate()], "c": [Shard(0)], "d": [Shard(0)]}
+
+    def state(layout: dict[str, Any], zeros: bool) -> dict[str, Any]:
+        made: dict[str, Any] = {
+            key: distribute_tensor(
+                torch.zeros_like(value) if zeros else value, mesh, layout[key[0]]
+            )
+            for key, value in full.items()
+        }
+        made["plain"] = torch.zeros_like(plain) if zeros else plain
+        return made
+
+    directory = os.path.join(ckpt_dir, "step")
+    writer = dcp_io.make_writer(directory, local=True, thread_count=2, storage_options={})
+    dcp_io.save_tensors(state(saved, zeros=False), writer, group, _SavePlanner())
+    dist.barrier()
+    computed = {"count": 0}
+    chunk_list = DTensor.__create_chunk_list__
+
+    def counted(self: Any) -> Any:
+        computed["count"] += 1
+        return chunk_list(self)
+
+    DTensor.__create_chunk_list__ = counted  # type: ignore[method-assign]
+    record: dict[str, Any] = {}
+    for name, layout in (("same", saved), ("resharded", other)):
+        fresh = state(layout, zeros=True)
+        computed["count"] = 0
+        reader = dcp_io.make_reader(directory, local=True, storage_options={})
+        dcp_io.load_tensors(fresh, reader, group)
+        record[name] = {
+            "computed": computed["count"],
+            "wrong": sorted(
+                key
+                for key, value in full.items()
+                if not torch.equal(fresh[key].full_tensor(), value)
+            )
+            + ([] if torch.equal(fresh["plain"], plain) else ["plain"]),
+        }
+    DTensor.__create_chunk_list__ = chunk_list  # type: ignore[method-assign]
+    return record
+
+
 def scenario_learned(rank: int, ckpt_dir: str) -> dict[str, Any]:
     """Failures one rank learns of alone, before a save's collectives: retention's delete after
     step 2 fails on rank 0 (which alone deletes), and rank 1's state for step 5 uses the pack's
@@ -1045,6 +1112,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_collective_save(rank, *paths))
         elif scenario == "collective_load":
             record.update(scenario_collective_load(rank, *paths))
+        elif scenario == "shared_chunks":
+            record.update(scenario_shared_chunks(rank, *paths))
         elif scenario == "learned":
             record.update(scenario_learned(rank, *paths))
         elif scenario == "raising_policy":

@@ -515,6 +515,20 @@ def test_dcps_load_over_the_group_exchanges_plans_only_where_a_global_step_needs
         assert "injected: rank 0's read" in read["raised"], (rank, read)
 
 
+def test_a_restore_works_each_dtensor_layouts_chunk_out_once_and_reads_bit_exact(
+    dirs: dict[str, Path],
+) -> None:
+    """ckptmgr.load_chunks: 14 DTensors of 4 layouts (two share a shape under other
+    placements) restore bit for bit into the saved layouts and resharded (an uneven shard
+    among them), with DCP's chunk worked out once per layout (4, not 14)."""
+    launch = _torchrun("shared_chunks", dirs["out"], dirs["ckpt"].parent / "shared_chunks")
+    records = launch.checked_records(NPROC)
+    for rank, record in records.items():
+        for name in ("same", "resharded"):
+            assert record[name]["wrong"] == [], (rank, name, record[name])
+            assert record[name]["computed"] == 4, (rank, name, record[name])
+
+
 def test_a_failure_one_rank_learns_of_alone_fails_the_next_save_on_both(
     dirs: dict[str, Path],
 ) -> None:
