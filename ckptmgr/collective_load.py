@@ -35,11 +35,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptmgr.step_collectives import (
     FailedStep,
+    exchange_plans,
     failures_of,
     gather_everywhere,
-    gather_on,
     run_step,
-    scatter_from,
 )
 
 _VERIFIED_TORCH = ((2, 10), (2, 13))
@@ -73,7 +72,6 @@ def load_over_group(
     every rank where any rank failed (see the module's description)."""
     rank = dist.get_rank(group)
     world_size = dist.get_world_size(group)
-    coordinator = dist.get_global_rank(group, 0)
     is_coordinator = rank == 0
 
     ordered = {key: state_dict[key] for key in sorted(state_dict)}  # (as dcp.load plans)
@@ -97,21 +95,11 @@ def load_over_group(
             raise CheckpointException("plan", failures)
         plan = planned
     else:
-        plans = gather_on(planned, group, coordinator, is_coordinator, world_size)
-        replies: list[Any] | None = None
-        if is_coordinator:
-            assert plans is not None
-            failures = failures_of(plans)
-            if not failures:
-                try:
-                    replies = storage_reader.prepare_global_plan(planner.create_global_plan(plans))
-                except BaseException as exc:
-                    failures[rank] = FailedStep(exc).wrapped
-            if failures:
-                replies = [CheckpointException("plan", failures)] * world_size
-        plan = scatter_from(replies, group, coordinator)
-        if isinstance(plan, CheckpointException):
-            raise plan
+        plan = exchange_plans(
+            planned,
+            lambda plans: storage_reader.prepare_global_plan(planner.create_global_plan(plans)),
+            group,
+        )
 
     def read() -> None:
         reads = storage_reader.read_data(planner.finish_plan(plan), planner)

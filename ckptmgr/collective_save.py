@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from ckptmgr.step_collectives import FailedStep, failures_of, gather_on, run_step, scatter_from
+from ckptmgr.step_collectives import FailedStep, exchange_plans, failures_of, gather_on, run_step
 
 
 def save_over_group(
@@ -61,23 +61,14 @@ def save_over_group(
             storage_writer.set_up_storage_writer(is_coordinator)
         return storage_writer.prepare_local_plan(planner.create_local_plan())
 
-    plans = gather_on(run_step(local_plan), group, coordinator, is_coordinator, world_size)
     metadata: Metadata | None = None
-    replies: list[Any] | None = None
-    if is_coordinator:
-        assert plans is not None
-        failures = failures_of(plans)
-        if not failures:
-            try:
-                global_plans, metadata = planner.create_global_plan(plans)
-                replies = storage_writer.prepare_global_plan(global_plans)
-            except BaseException as exc:
-                failures[rank] = FailedStep(exc).wrapped
-        if failures:
-            replies = [CheckpointException("plan", failures)] * world_size
-    reply = scatter_from(replies, group, coordinator)
-    if isinstance(reply, CheckpointException):
-        raise reply
+
+    def global_plan(plans: list[Any]) -> list[Any]:
+        nonlocal metadata
+        global_plans, metadata = planner.create_global_plan(plans)
+        return storage_writer.prepare_global_plan(global_plans)
+
+    reply = exchange_plans(run_step(local_plan), global_plan, group)
 
     def write() -> Any:
         writes = storage_writer.write_data(planner.finish_plan(reply), planner)

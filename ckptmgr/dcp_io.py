@@ -71,6 +71,7 @@ from ckptmgr.load_chunks import chunk_stand_ins
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.safe_metadata import load_metadata_safely
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, COMMITTED_ATTRIBUTE, LISTING_ATTRIBUTE
+from ckptmgr.stand_in_planning import plan_with_stand_ins
 from ckptmgr.state_lookup import find_item_tensor
 from ckptmgr.storage import is_object_store, local_file_sizes, open_filesystem, write_synced
 from ckptmgr.write_results import WriteResults
@@ -557,22 +558,10 @@ class TensorOnlyLoadPlanner(DefaultLoadPlanner):
         super().__init__(allow_partial_load=False)
 
     def create_local_plan(self) -> LoadPlan:
-        state_dict = self.state_dict
-        planned, used = chunk_stand_ins(state_dict)
+        planned, used = chunk_stand_ins(self.state_dict)
         if not used:
             return super().create_local_plan()
-        self.state_dict = planned
-        try:
-            plan = super().create_local_plan()
-        except Exception:
-            # planned anew: an error of the state itself is raised from there
-            self.state_dict = state_dict
-            return super().create_local_plan()
-        finally:
-            self.state_dict = state_dict
-        if all(stand_in.calls == 1 for stand_in in used):
-            return plan
-        return super().create_local_plan()  # (DCP planned otherwise: from scratch)
+        return plan_with_stand_ins(self, planned, used, super().create_local_plan)
 
     def lookup_tensor(self, index: dcp_metadata.MetadataIndex) -> torch.Tensor:
         """The destination of an item: a DTensor's local tensor itself (see

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
+from ckptmgr.stand_in_planning import plan_with_stand_ins
 from ckptmgr.state_lookup import find_item_tensor
 from ckptmgr.write_items import DTensorWriteItems
 
@@ -56,25 +57,10 @@ class _SavePlanner(DefaultSavePlanner):
         kept = self._write_items
         if kept is None:
             return super().create_local_plan()
-        state_dict = self.state_dict
-        planned, used = kept.stand_ins(state_dict)
+        planned, used = kept.stand_ins(self.state_dict)
         if not used:
             return super().create_local_plan()
-        self.state_dict = planned
-        try:
-            plan = super().create_local_plan()
-        except Exception:
-            # planned anew: an error of the state itself is raised from there, else the
-            # stand-ins were what failed and are not used again
-            self.state_dict = state_dict
-            plan = super().create_local_plan()
-            kept.turn_off()
-            return plan
-        finally:
-            self.state_dict = state_dict
-        if kept.confirm(used):
-            return plan
-        return super().create_local_plan()
+        return plan_with_stand_ins(self, planned, used, super().create_local_plan, kept.turn_off)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return find_item_tensor(self.state_dict, index)

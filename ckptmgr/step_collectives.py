@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptmgr.errors import CheckpointError
 
@@ -67,3 +68,30 @@ def gather_everywhere(value: Any, group: dist.ProcessGroup, world_size: int) -> 
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, value, group=group)
     return gathered
+
+
+def exchange_plans(
+    planned: Any, global_step: Callable[[list[Any]], list[Any]], group: dist.ProcessGroup
+) -> Any:
+    """DCP's exchange of plans: every rank's ``planned`` (its local plan, or a
+    :class:`FailedStep`) gathered on the group's rank 0, which runs ``global_step`` on them
+    (one plan per rank back) and scatters each rank its plan, returned here. Where any rank
+    failed, or ``global_step`` raised, raises DCP's ``CheckpointException`` on every rank."""
+    rank = dist.get_rank(group)
+    world_size = dist.get_world_size(group)
+    coordinator = dist.get_global_rank(group, 0)
+    plans = gather_on(planned, group, coordinator, rank == 0, world_size)
+    replies: list[Any] | None = None
+    if plans is not None:
+        failures = failures_of(plans)
+        if not failures:
+            try:
+                replies = global_step(plans)
+            except BaseException as exc:
+                failures[rank] = FailedStep(exc).wrapped
+        if failures:
+            replies = [CheckpointException("plan", failures)] * world_size
+    plan = scatter_from(replies, group, coordinator)
+    if isinstance(plan, CheckpointException):
+        raise plan
+    return plan

@@ -17,8 +17,8 @@ are the same as those it would have made. A DTensor whose key changed (resharded
 dtype, reshaped) is planned by DCP's own code again, and its new items kept.
 
 Where this torch's planner does not ask every stand-in for its items exactly once (a version
-that plans differently), :meth:`DTensorWriteItems.confirm` says so and the manager plans from
-scratch, now and from then on.
+that plans differently; :mod:`ckptmgr.stand_in_planning`), the manager plans from scratch, now
+and from then on (:meth:`DTensorWriteItems.turn_off`).
 """
 
 from __future__ import annotations
@@ -115,14 +115,6 @@ class DTensorWriteItems:
         for fqn in [fqn for fqn in kept if fqn not in state_dict]:
             del kept[fqn]  # (no longer saved: nothing kept for a name the state dropped)
         return planned, used
-
-    def confirm(self, used: list[KeptWriteItems]) -> bool:
-        """True where the planning asked each stand-in of ``used`` once; else forget
-        everything, turn this off (:attr:`enabled`) and return False: plan from scratch."""
-        if all(stand_in.calls == 1 for stand_in in used):
-            return True
-        self.turn_off()
-        return False
 
     def turn_off(self) -> None:
         """Keep nothing from now on: every later save's items are made by DCP."""

@@ -836,7 +836,7 @@ def scenario_collective_load(rank: int, ckpt_dir: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from ckptmgr import collective_load, dcp_io
+    from ckptmgr import collective_load, dcp_io, step_collectives
     from ckptmgr.save_plans import _SavePlanner
 
     mesh = init_device_mesh("cpu", (2,))
@@ -851,13 +851,13 @@ def scenario_collective_load(rank: int, ckpt_dir: str) -> dict[str, Any]:
     dist.barrier()
 
     scatters = {"count": 0}
-    scatter = collective_load.scatter_from
+    scatter = step_collectives.scatter_from
 
     def counted_scatter(*args: Any, **kwargs: Any) -> Any:
         scatters["count"] += 1
         return scatter(*args, **kwargs)
 
-    collective_load.scatter_from = counted_scatter  # type: ignore[assignment]
+    step_collectives.scatter_from = counted_scatter  # type: ignore[assignment]
 
     class OwnGlobalStep(dcp_io.TensorOnlyLoadPlanner):
         def create_global_plan(self, global_plan: Any) -> Any:
@@ -908,7 +908,7 @@ def scenario_collective_load(rank: int, ckpt_dir: str) -> dict[str, Any]:
         "read": load(dcp_io.TensorOnlyLoadPlanner(), failing_read=True),
         "again": load(dcp_io.TensorOnlyLoadPlanner()),
     }
-    collective_load.scatter_from = scatter  # type: ignore[assignment]
+    step_collectives.scatter_from = scatter  # type: ignore[assignment]
     return {"calls": calls}
 
 
