@@ -752,6 +752,20 @@ class _Unpicklable(Exception):
         raise TypeError("this exception does not pickle")
 
 
+def _release(group: Any) -> None:
+    """End a scenario's own gloo ``group`` while the interpreter is fully alive: both ranks done
+    with it, garbage (exceptions and their frames, holding tensors) collected, then destroyed.
+    (A 2-rank job once aborted in teardown, "terminate called without an active exception",
+    after the collective_load scenario had written its records.)"""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.barrier(group)
+    gc.collect()
+    dist.destroy_process_group(group)
+
+
 def scenario_collective_save(rank: int, ckpt_dir: str) -> dict[str, Any]:
     """``dcp_io.save_tensors`` over a 2-rank group (ckptmgr.collective_save), called directly:
     a save that succeeds, then failures injected in each of its steps on one rank (local
@@ -813,15 +827,15 @@ def scenario_collective_save(rank: int, ckpt_dir: str) -> dict[str, Any]:
             )
         return seen
 
-    return {
-        "calls": {
-            "ok": save("ok", _SavePlanner()),
-            "local_plan": save("local_plan", FailingLocalPlan()),
-            "global_plan": save("global_plan", FailingGlobalPlan()),
-            "write": save("write", _SavePlanner(), failing_write=True),
-            "ok_again": save("ok_again", _SavePlanner()),
-        }
+    calls = {
+        "ok": save("ok", _SavePlanner()),
+        "local_plan": save("local_plan", FailingLocalPlan()),
+        "global_plan": save("global_plan", FailingGlobalPlan()),
+        "write": save("write", _SavePlanner(), failing_write=True),
+        "ok_again": save("ok_again", _SavePlanner()),
     }
+    _release(group)
+    return {"calls": calls}
 
 
 def scenario_collective_load(rank: int, ckpt_dir: str) -> dict[str, Any]:
@@ -909,6 +923,7 @@ def scenario_collective_load(rank: int, ckpt_dir: str) -> dict[str, Any]:
         "again": load(dcp_io.TensorOnlyLoadPlanner()),
     }
     step_collectives.scatter_from = scatter  # type: ignore[assignment]
+    _release(group)
     return {"calls": calls}
 
 
@@ -974,6 +989,7 @@ def scenario_shared_chunks(rank: int, ckpt_dir: str) -> dict[str, Any]:
             + ([] if torch.equal(fresh["plain"], plain) else ["plain"]),
         }
     DTensor.__create_chunk_list__ = chunk_list  # type: ignore[method-assign]
+    _release(group)
     return record
 
 
