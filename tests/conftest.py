@@ -15,24 +15,45 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+ABORT_GRACE_S = 10.0  # for a timed-out child to print its tracebacks
 
 
 def run_python(
     code_or_path: str | Path, *args: str, timeout: float = 120, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run Python code (a string) or a script (a Path) in a fresh interpreter; bounded in time."""
-    command = [sys.executable]
+    command = [sys.executable, "-X", "faulthandler"]
     command += [str(code_or_path)] if isinstance(code_or_path, Path) else ["-c", code_or_path]
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
-    return subprocess.run(
-        [*command, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-        env=env,
-        check=False,
+    return run_bounded([*command, *args], timeout=timeout, cwd=cwd, env=env)
+
+
+def run_bounded(
+    command: list[str], *, timeout: float, env: dict[str, str], cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` to its end within ``timeout`` seconds, its output captured.
+
+    A child still running then fails the test with what it printed and, when it runs Python
+    with ``-X faulthandler``, where each of its threads was: it gets SIGABRT first (which
+    faulthandler answers with every thread's traceback), and SIGKILL if that does not end it.
+    """
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env
     )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        try:
+            stdout, stderr = process.communicate(timeout=ABORT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        pytest.fail(
+            f"{command[:3]} still ran after {timeout} s; its stdout:\n{stdout[-3000:]}\n"
+            f"its stderr (with its threads' tracebacks):\n{stderr[-12000:]}"
+        )
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def in_forked_child(work: Callable[[], bytes], timeout_s: float = 60.0) -> bytes:

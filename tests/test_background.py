@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, held_dcp_writes, run_python
+from conftest import REPO, held_dcp_writes, run_bounded, run_python
 
 from ckptmgr import CheckpointManager, dcp_io
 from ckptmgr.background import BackgroundWriter
@@ -266,13 +266,11 @@ def test_the_failure_of_an_interrupted_synchronous_save_is_raised_by_join(
 
 def run_child(root: Path, mode: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
-    return subprocess.run(
-        [sys.executable, str(CHILD), str(root), mode],
-        capture_output=True,
-        text=True,
+    return run_bounded(  # a hang at exit fails here
+        [sys.executable, "-X", "faulthandler", str(CHILD), str(root), mode],
         env=env,
         cwd=REPO,
-        timeout=EXIT_TIMEOUT_S,  # a hang at exit fails here
+        timeout=EXIT_TIMEOUT_S,
     )
 
 
