@@ -25,7 +25,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -40,22 +39,14 @@ from ckptmgr.step_collectives import (
     gather_everywhere,
     run_step,
 )
-
-_VERIFIED_TORCH = ((2, 10), (2, 13))
-"""The torch versions whose global load step is known to return the plans unchanged."""
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+from ckptmgr.torch_versions import checked_torch
 
 
 def global_step_changes_nothing(planner: LoadPlanner, storage_reader: StorageReader) -> bool:
     """True where ``planner``'s global step and ``storage_reader``'s are DCP's own of a torch
     whose global load step returns the plans unchanged."""
-    low, high = _VERIFIED_TORCH
     return (
-        low <= _torch_version() <= high
+        checked_torch()
         and type(planner).create_global_plan is DefaultLoadPlanner.create_global_plan
         and type(storage_reader).prepare_global_plan is FileSystemReader.prepare_global_plan
     )

@@ -1,0 +1,27 @@
+"""Which torch versions ckptmgr's own versions of DCP's steps were checked against.
+
+ckptmgr runs some of DCP's steps itself (the load steps over a group, the writing of
+``.metadata``), relying on what DCP's own code does in them. Where that was read in DCP's code
+of a range of torch versions, the shortcut is taken only on those versions; on any other,
+DCP's own step runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHECKED_TORCH = ((2, 10), (2, 13))
+"""The lowest and highest (major, minor) torch versions whose DCP code ckptmgr's steps were
+checked against."""
+
+
+def torch_version() -> tuple[int, int]:
+    """This torch's (major, minor) version."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def checked_torch() -> bool:
+    """True where this torch is within :data:`CHECKED_TORCH`."""
+    low, high = CHECKED_TORCH
+    return low <= torch_version() <= high
