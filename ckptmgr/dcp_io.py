@@ -68,13 +68,20 @@ from ckptmgr.integrity import (
     crc32_of_stream,
 )
 from ckptmgr.load_chunks import chunk_stand_ins
+from ckptmgr.metadata_file import MetadataFile
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.safe_metadata import load_metadata_safely
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, COMMITTED_ATTRIBUTE, LISTING_ATTRIBUTE
 from ckptmgr.stand_in_planning import plan_with_stand_ins
 from ckptmgr.state_lookup import find_item_tensor
 from ckptmgr.storage import is_object_store, local_file_sizes, open_filesystem, write_synced
+from ckptmgr.torch_versions import checked_torch
 from ckptmgr.write_results import WriteResults
+
+try:  # the version DCP's writer puts on the metadata it writes
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+except ImportError:  # pragma: no cover
+    CURRENT_DCP_VERSION = None  # type: ignore[assignment]
 
 try:  # _StorageInfo (an item's file, offset and length) is private; stable since torch 2.0
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -256,6 +263,24 @@ DATA_SUFFIX = ".distcp"
 _CHECKSUMS_FQN = "\x00ckptmgr-checksums/"  # a write result that carries a rank's checksums
 
 
+_METADATA_FILE = ".metadata"  # (DCP's name for it)
+
+
+def _results_key(results: list[list[WriteResult]]) -> object | None:
+    """Every rank's write results as plain values, equal exactly where the results are (less the
+    ranks' checksum reports, which do not go into ``.metadata``); None where some rank's are
+    not :class:`WriteResults`, or hold others than of written items and checksum reports."""
+    key = []
+    for rank_results in results:
+        if not isinstance(rank_results, WriteResults):
+            return None
+        files, rows, others = rank_results.flattened()
+        if any(not result.index.fqn.startswith(_CHECKSUMS_FQN) for _, result in others):
+            return None
+        key.append((files, rows))
+    return key
+
+
 def _balanced(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
     """``items`` split into at most ``bins`` lists of similar byte size. In each list, the
     items of whole ``DIRECT_ALIGN`` blocks come first, largest first, then the others, largest
@@ -304,6 +329,10 @@ class _RawTensorWriter:
     """Files of this rank that the writer writes beside its data files (name -> bytes; the
     objects file, written from the checkpoint daemon in process mode): local writers only."""
     commit: Callable[[dcp_metadata.Metadata], Any] | None = None
+    metadata_file: MetadataFile | None = None
+    """The last save's ``.metadata`` pickled field by field (:mod:`ckptmgr.metadata_file`; a
+    manager's, handed to each of its writers): :meth:`finish` pickles only what changed since.
+    None: DCP's own ``finish`` pickles it whole."""
     """Called by :meth:`finish` with the finished metadata (listing and checksums on it) to
     commit the step where it was written; what it returns goes on the metadata as
     ``COMMITTED_ATTRIBUTE`` (a :class:`ckptmgr.daemon_commit.DaemonCommit`: local, single
@@ -355,7 +384,10 @@ class _RawTensorWriter:
                     reported.update(result.storage_data)
                 else:
                     stored[-1].append(result)
-        super().finish(metadata, stored)  # type: ignore[misc]
+        if self.metadata_file is not None and self._writes_one_metadata_file():
+            self._write_metadata(metadata, results, stored, self.metadata_file)
+        else:
+            super().finish(metadata, stored)  # type: ignore[misc]
         if self.checksums is not None:
             reported.update(self.checksums.snapshot())
         setattr(metadata, CHECKSUMS_ATTRIBUTE, reported)
@@ -363,6 +395,46 @@ class _RawTensorWriter:
             setattr(metadata, LISTING_ATTRIBUTE, local_file_sizes(str(self.path)))
         if self.commit is not None:
             setattr(metadata, COMMITTED_ATTRIBUTE, self.commit(metadata))
+
+    def _writes_one_metadata_file(self) -> bool:
+        """True where DCP's ``finish`` writes the step's one ``.metadata`` as
+        :meth:`_write_metadata` does: a torch whose ``FileSystemWriter.finish`` was checked
+        against it, and a save with collectives (not a ``.metadata`` per rank)."""
+        return (
+            checked_torch()
+            and CURRENT_DCP_VERSION is not None
+            and (getattr(self, "use_collectives", True) or getattr(self, "rank", None) is None)
+        )
+
+    def _write_metadata(
+        self,
+        metadata: dcp_metadata.Metadata,
+        results: list[list[WriteResult]],
+        stored: list[list[WriteResult]],
+        metadata_file: MetadataFile,
+    ) -> None:
+        """DCP's ``FileSystemWriter.finish`` (torch 2.10-2.13), with ``.metadata`` pickled by
+        ``metadata_file``, and the last save's ``storage_data`` kept where every rank's write
+        results (``results``; ``stored``: those that go into it) are the same as then."""
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = metadata_file.storage_data(
+            _results_key(results),
+            lambda: {result.index: result.storage_data for each in stored for result in each},
+        )
+        metadata.storage_meta = self.storage_meta()  # type: ignore[attr-defined]
+        data = metadata_file.dumps(metadata)
+        temporary = self.fs.concat_path(self.path, f"{_METADATA_FILE}.tmp")
+        with self.fs.create_stream(temporary, "wb") as stream:
+            stream.write(data)
+            if getattr(self, "sync_files", True):
+                try:
+                    os.fsync(stream.fileno())
+                except (AttributeError, io.UnsupportedOperation):
+                    os.sync()  # (as DCP: a stream without a descriptor)
+        final = self.fs.concat_path(self.path, _METADATA_FILE)
+        if self.fs.exists(final):
+            self.fs.rm_file(final)
+        self.fs.rename(temporary, final)
 
     def _write_file(
         self, planner: SavePlanner, name: str, items: list[WriteItem]

@@ -694,6 +694,9 @@ class CheckpointManager:
                 retry=storage.retry,
             )
             writer.small_files = small_files
+            if not in_daemon:
+                assert not isinstance(writer, dcp_io.WriterRecipe)
+                writer.metadata_file = self._save_plans.metadata_file
             if in_daemon and storage.is_local and not comm.distributed and local_error is None:
                 assert isinstance(writer, dcp_io.WriterRecipe)
                 writer.commit = daemon_commit = self._daemon_commit(request, save_id, write_dir)

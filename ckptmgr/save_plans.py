@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
+from ckptmgr.metadata_file import MetadataFile
 from ckptmgr.stand_in_planning import plan_with_stand_ins
 from ckptmgr.state_lookup import find_item_tensor
 from ckptmgr.write_items import DTensorWriteItems
@@ -76,6 +77,8 @@ class SavePlanCache:
         (the ranks of a job each have their own; DCP never compares them)."""
         self.write_items = DTensorWriteItems()
         """The write items of the manager's DTensors (:mod:`ckptmgr.write_items`)."""
+        self.metadata_file = MetadataFile()
+        """The last save's ``.metadata``, pickled field by field (:mod:`ckptmgr.metadata_file`)."""
 
     def planner(self) -> SavePlanner:
         """A planner for the next save that reuses this cache's plans (where this torch cannot,
@@ -91,9 +94,10 @@ class SavePlanCache:
         return any(self.key in getattr(SavePlanner, name, {}) for name in _CACHES)
 
     def forget(self) -> None:
-        """Drop every plan kept under this cache's key and the DTensors' kept items (the next
-        save plans from scratch)."""
+        """Drop every plan kept under this cache's key, the DTensors' kept items and the pickled
+        ``.metadata`` (the next save plans and pickles from scratch)."""
         self.write_items.forget()
+        self.metadata_file.forget()
         for name in _CACHES:
             kept = getattr(SavePlanner, name, None)
             if isinstance(kept, dict):

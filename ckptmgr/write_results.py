@@ -29,37 +29,57 @@ _Row = tuple[str, tuple[int, ...], int | None, int, int, int, int]
 """(fqn, offset, index hint, size in bytes, file number, offset in the file, length)."""
 
 
+_Flat = tuple[list[str], list[_Row], list[tuple[int, WriteResult]]]
+"""(file names, a row per result of the usual shape, (position, result) of each other one)."""
+
+
 class WriteResults(list[WriteResult]):
-    """Write results (a list) that pickle compactly: see the module's description."""
+    """Write results (a list, not changed once made) that pickle compactly: see the module's
+    description."""
+
+    _flat: _Flat | None = None
+
+    def flattened(self) -> _Flat:
+        """(file names, a :data:`_Row` per result of the usual shape, (position, result) of
+        each other one): what pickling writes, and plain values that are equal exactly where
+        the results are (made once)."""
+        flat = self._flat
+        if flat is None:
+            flat = self._flat = _flatten(self)
+        return flat
 
     def __reduce__(self) -> tuple[Any, ...]:
-        files: dict[str, int] = {}
-        rows: list[_Row] = []
-        others: list[tuple[int, WriteResult]] = []
-        for position, result in enumerate(self):
-            index, info = result.index, result.storage_data
-            if (
-                type(index) is MetadataIndex
-                and index.offset is not None
-                and _StorageInfo is not None
-                and type(info) is _StorageInfo
-                and info.transform_descriptors is None
-            ):
-                file = files.setdefault(info.relative_path, len(files))
-                rows.append(
-                    (
-                        index.fqn,
-                        tuple(index.offset),
-                        index.index,
-                        result.size_in_bytes,
-                        file,
-                        info.offset,
-                        info.length,
-                    )
+        return (_rebuilt, self.flattened())
+
+
+def _flatten(results: list[WriteResult]) -> _Flat:
+    files: dict[str, int] = {}
+    rows: list[_Row] = []
+    others: list[tuple[int, WriteResult]] = []
+    for position, result in enumerate(results):
+        index, info = result.index, result.storage_data
+        if (
+            type(index) is MetadataIndex
+            and index.offset is not None
+            and _StorageInfo is not None
+            and type(info) is _StorageInfo
+            and info.transform_descriptors is None
+        ):
+            file = files.setdefault(info.relative_path, len(files))
+            rows.append(
+                (
+                    index.fqn,
+                    tuple(index.offset),
+                    index.index,
+                    result.size_in_bytes,
+                    file,
+                    info.offset,
+                    info.length,
                 )
-            else:
-                others.append((position, result))
-        return (_rebuilt, (list(files), rows, others))
+            )
+        else:
+            others.append((position, result))
+    return list(files), rows, others
 
 
 def _rebuilt(
@@ -77,4 +97,5 @@ def _rebuilt(
     )
     for position, result in others:  # (in increasing positions: each lands where it was)
         results.insert(position, result)
+    results._flat = (files, rows, others)
     return results

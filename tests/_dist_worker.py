@@ -653,8 +653,9 @@ PLANS_SEQUENCE: list[tuple[int, str, bool]] = [
 
 
 def scenario_plans(rank: int, ckpt_dir: str) -> dict[str, Any]:
-    """Saves with DCP's plans and the DTensors' write items kept between them
-    (ckptmgr.save_plans, ckptmgr.write_items) on 2 ranks, of DTensors,
+    """Saves with DCP's plans, the DTensors' write items and the pickled ``.metadata`` kept
+    between them (ckptmgr.save_plans, ckptmgr.write_items, ckptmgr.metadata_file) on 2 ranks, of
+    DTensors,
     per-rank and replicated tensors, through the changes of ``PLANS_SEQUENCE``. Each save that
     commits is restored into fresh tensors and compared bit for bit (as local tensors)."""
     import torch
@@ -726,6 +727,7 @@ def scenario_plans(rank: int, ckpt_dir: str) -> dict[str, Any]:
                     "error": error,
                     "holds_plans": manager._save_plans.holds_plans(),
                     "holds_items": manager._save_plans.write_items.holds_items(),
+                    "metadata_reused": manager._save_plans.metadata_file.reused,
                 }
             )
         record["steps"] = manager.all_steps()

@@ -426,8 +426,9 @@ def test_a_save_that_fails_on_one_rank_fails_on_both_and_they_stay_in_step(
 def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
     dirs: dict[str, Path],
 ) -> None:
-    """DCP's plans and the DTensors' write items kept between saves (ckptmgr.save_plans,
-    ckptmgr.write_items): a rank whose plan is unchanged sends none, a rank whose plan changed
+    """DCP's plans, the DTensors' write items and the pickled ``.metadata`` kept between saves
+    (ckptmgr.save_plans, ckptmgr.write_items, ckptmgr.metadata_file): a rank whose plan is
+    unchanged sends none, a rank whose plan changed
     alone sends its own, a DTensor resharded (Shard(0) to Replicate and back) is planned anew, a
     write failing on rank 1 fails the save on both and both drop what they kept; every
     committed step restores bit for bit."""
@@ -436,6 +437,11 @@ def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
     launch = _torchrun("plans", dirs["out"], dirs["ckpt"].parent / "plans")
     records = launch.checked_records(NPROC)
     committed = [step for step, _, fails in PLANS_SEQUENCE if not fails]
+    # rank 0 pickles .metadata anew only from storage_meta in the second save of a structure
+    # (every restore below reads it back); rank 1 writes none
+    reused = [save["metadata_reused"] for save in records[0]["saves"]]
+    assert reused == [0, 3, 0, 3, 0, 0, 0, 0, 0, 3, 0], reused
+    assert {save["metadata_reused"] for save in records[1]["saves"]} == {0}
     for rank, record in records.items():
         where = f"rank {rank}"
         for save, (step, _, fails) in zip(record["saves"], PLANS_SEQUENCE, strict=True):

@@ -3,8 +3,9 @@
 Runs in fresh interpreters with a 1-rank gloo group (DTensors need a device mesh); each child
 prints what it observed as JSON and the test asserts it. Saves through changes of shape, dtype,
 names and ``requires_grad`` restore bit for bit and write the ``.metadata`` of items made from
-scratch; DCP's item making runs only for DTensors that are new or changed; a torch whose
-planner does not use the kept items as expected plans from scratch. The 2-rank case
+scratch (and pickled whole by DCP's own ``finish``, where ckptmgr pickles only what changed:
+ckptmgr.metadata_file); DCP's item making runs only for DTensors that are new or changed; a
+torch whose planner does not use the kept items as expected plans from scratch. The 2-rank case
 (resharding, a failure on one rank) is the ``plans`` scenario of test_distributed.py.
 """
 
@@ -88,10 +89,16 @@ SEQUENCE = (
 SEQUENCE = [(1, "base", "save"), (2, "base", "save"), (3, "reshaped", "async"),
             (4, "reshaped", "async"), (5, "dropped", "save"), (6, "base", "async"),
             (7, "base", "async")]
-seen = {"made": [], "restored": [], "same_metadata": []}
+seen = {"made": [], "restored": [], "same_metadata": [], "reused": []}
 metadata = {}
+from ckptmgr import dcp_io
+ckptmgrs_metadata_file = dcp_io._RawTensorWriter._writes_one_metadata_file
 for WHERE, keep in (("kept", True), ("scratch", False)):
     manager = CheckpointManager(f"{root}/{WHERE}", 1, max_to_keep=20, chkpt_on_preemption=False)
+    # from scratch: DCP makes every item, and its own finish pickles .metadata whole
+    dcp_io._RawTensorWriter._writes_one_metadata_file = (
+        ckptmgrs_metadata_file if keep else lambda self: False
+    )
     with manager:
         if not keep:
             manager._save_plans.write_items.turn_off()
@@ -105,6 +112,7 @@ for WHERE, keep in (("kept", True), ("scratch", False)):
                 manager.join()
             if keep:
                 seen["made"].append(made["count"])
+                seen["reused"].append(manager._save_plans.metadata_file.reused)
                 seen["restored"].append(round_trip(manager, step, state))
             metadata[WHERE, step] = metadata_of(WHERE, step)
         if keep:
@@ -118,6 +126,9 @@ for step, _, _ in SEQUENCE:
         kept.state_dict_metadata == scratch.state_dict_metadata
         and kept.storage_data == scratch.storage_data
         and kept.planner_data == scratch.planner_data
+        and kept.version == scratch.version
+        and list(vars(kept)) == list(vars(scratch))
+        and kept.storage_meta.save_id != scratch.storage_meta.save_id
     )
 dist.destroy_process_group()
 print(json.dumps(seen))
@@ -205,6 +216,9 @@ def test_kept_items_restore_bit_exact_and_write_the_metadata_of_items_made_from_
     # state; a (reshaped), b (float64) and p (save_async writes a staged copy, which does not
     # require grad); none; a (back), c (new) and p; b (back) and p; none
     assert seen["made"] == [3, 0, 3, 0, 3, 2, 0], seen["made"]
+    # .metadata pickled anew only from storage_meta where DCP's plan was kept (equal to DCP's
+    # own .metadata of the scratch saves, above): the second save of each structure
+    assert seen["reused"] == [0, 3, 0, 3, 0, 0, 3], seen["reused"]
     assert seen["enabled"] and seen["holds_items"]
     assert not seen["holds_items_after_close"]
 
