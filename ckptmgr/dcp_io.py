@@ -439,20 +439,21 @@ class _RawTensorWriter:
     def _write_file(
         self, planner: SavePlanner, name: str, items: list[WriteItem]
     ) -> list[WriteResult]:
-        results = []
+        tensors = []
+        for item in items:
+            data = planner.resolve_data(item)
+            tensor_bytes.check_storable(item.index.fqn, data)
+            tensors.append(data)
         with self.fs.open_data_file(self.fs.concat_path(self.path, name)) as sink:
-            for item in items:
-                data = planner.resolve_data(item)
-                tensor_bytes.check_storable(item.index.fqn, data)
-                offset, length = tensor_bytes.write_tensor(sink, data)
-                results.append(
-                    WriteResult(
-                        index=item.index,
-                        size_in_bytes=length,
-                        storage_data=_StorageInfo(name, offset, length),
-                    )
-                )
-        return results
+            spans = tensor_bytes.write_tensors(sink, tensors)
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=length,
+                storage_data=_StorageInfo(name, offset, length),
+            )
+            for item, (offset, length) in zip(items, spans, strict=True)
+        ]
 
 
 class _RawTensorReader:

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import io
+import itertools
+import operator
 import os
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -328,6 +330,83 @@ def write_tensor(sink: TensorSink, tensor: torch.Tensor) -> tuple[int, int]:
             piece = byte_view(data)
         sink.write_piece(piece, data)
     return offset, nbytes
+
+
+SMALL_TENSOR_BYTES = 64 * 1024
+"""Tensors of at most this many bytes are written in runs by :func:`write_tensors`."""
+RUN_BYTES = 4 * 2**20
+"""A run of small tensors is written once it holds this many bytes."""
+
+
+def write_tensors(sink: TensorSink, tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """Append the bytes of each of ``tensors`` to ``sink`` in turn, as :func:`write_tensor`
+    does; returns the (offset, length) of each.
+
+    Consecutive small tensors (up to :data:`SMALL_TENSOR_BYTES`) that are plain CPU tensors
+    (contiguous, with memory, no lazy conjugate or negative view) are joined into one buffer
+    (a ``torch.cat`` per stretch of one dtype) and written at once, up to :data:`RUN_BYTES` at
+    a time: the same bytes in the same places, for about a microsecond per tensor instead of a
+    write (a rank of a sharded state writes a small shard of every DTensor; each on its own
+    took about 20 µs)."""
+    spans: list[tuple[int, int]] = []
+    run: list[torch.Tensor] = []
+    lengths: list[int] = []
+    run_bytes = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if 0 < nbytes <= SMALL_TENSOR_BYTES and _plain_cpu(tensor):
+            run.append(tensor)
+            lengths.append(nbytes)
+            run_bytes += nbytes
+            if run_bytes >= RUN_BYTES:
+                _write_run(sink, run, lengths, spans)
+                run, lengths, run_bytes = [], [], 0
+            continue
+        if run:
+            _write_run(sink, run, lengths, spans)
+            run, lengths, run_bytes = [], [], 0
+        spans.append(write_tensor(sink, tensor))
+    if run:
+        _write_run(sink, run, lengths, spans)
+    return spans
+
+
+def _plain_cpu(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.is_cpu
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and not tensor._is_zerotensor()
+    )
+
+
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _write_run(
+    sink: TensorSink, run: list[torch.Tensor], lengths: list[int], spans: list[tuple[int, int]]
+) -> None:
+    """Write the plain CPU tensors of ``run`` (of ``lengths`` bytes) back to back with one
+    write; their spans are added to ``spans``."""
+    if len(run) == 1:
+        spans.append(write_tensor(sink, run[0]))
+        return
+    with torch.no_grad():  # (tensors that require grad)
+        flat = [tensor if tensor.dim() == 1 else tensor.view(-1) for tensor in run]
+        joined = [_joined(list(same)) for _, same in itertools.groupby(flat, key=_DTYPE)]
+        data = joined[0] if len(joined) == 1 else torch.cat(joined)
+    offset = sink.tell()
+    sink.write_piece(byte_view(data), data)
+    spans.extend(zip(itertools.accumulate(lengths, initial=offset), lengths, strict=False))
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 1-d ``tensors`` of one dtype back to back, as bytes."""
+    try:
+        return torch.cat(tensors).view(torch.uint8)
+    except RuntimeError:  # (a dtype torch cannot concatenate): their bytes, viewed one by one
+        return torch.cat([tensor.view(torch.uint8) for tensor in tensors])
 
 
 class TensorSource(Protocol):

@@ -753,6 +753,85 @@ def test_bytes_of_an_efficient_zero_tensor_are_written_as_zeros_and_never_read_a
     assert in_forked_child(work) == b"zeros written, read refused"
 
 
+@pytest.mark.parametrize("run_bytes", [tensor_bytes.RUN_BYTES, 1000])
+def test_tensors_written_in_runs_land_as_each_written_on_its_own(
+    run_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``write_tensors`` joins runs of small plain CPU tensors into one write: the bytes and
+    places of every tensor are those of ``write_tensor`` on each in turn, whichever tensors end
+    a run (a big one, a lazy view, one without memory, a strided one, none at all) and where a
+    run is cut for its size."""
+    monkeypatch.setattr(tensor_bytes, "RUN_BYTES", run_bytes)
+    gen = torch.Generator().manual_seed(7)
+    parameter = nn.Parameter(random_tensor(torch.float32, (3, 5), gen))
+    complex_values = random_tensor(torch.complex64, (6,), gen)
+    tensors = [
+        random_tensor(torch.float32, (100,), gen),
+        random_tensor(torch.bfloat16, (7, 3), gen),
+        random_tensor(torch.bool, (9,), gen),
+        random_tensor(torch.complex128, (4,), gen),
+        random_tensor(torch.float64, (), gen),
+        parameter,  # (requires grad)
+        random_tensor(torch.uint8, (0, 4), gen),  # (no bytes)
+        random_tensor(torch.int64, (300,), gen),
+        complex_values.conj(),  # a lazy conjugate: written as its value
+        random_tensor(torch.float16, (33,), gen),
+        -random_tensor(torch.float32, (8,), gen),
+        random_tensor(torch.float32, (2, 10), gen).t(),  # strided
+        random_tensor(torch.int8, (5,), gen),
+        random_tensor(torch.float32, (20_000,), gen),  # above SMALL_TENSOR_BYTES
+        random_tensor(torch.int16, (17,), gen),
+        complex_values.imag,  # a strided view
+        random_tensor(torch.float8_e4m3fn, (11,), gen),
+        torch._efficientzerotensor(12, dtype=torch.float32),  # no memory
+        random_tensor(torch.int32, (64,), gen),
+        random_tensor(torch.float32, (250,), gen),
+    ]
+    one_by_one, joined = io.BytesIO(), io.BytesIO()
+    alone = tensor_bytes.StreamSink(one_by_one)
+    expected = [tensor_bytes.write_tensor(alone, tensor) for tensor in tensors]
+    writes: list[int] = []
+
+    class CountingSink(tensor_bytes.StreamSink):
+        def write_piece(self, piece: memoryview, owner: Any) -> None:
+            writes.append(piece.nbytes)
+            super().write_piece(piece, owner)
+
+    spans = tensor_bytes.write_tensors(CountingSink(joined), tensors)
+    assert spans == expected
+    assert joined.getvalue() == one_by_one.getvalue()
+    if run_bytes > 100_000:  # one write per run (0-5, 9-10, 18-19) and per other tensor
+        assert writes == [583, 2400, 48, 98, 80, 5, 80_000, 34, 24, 11, 48, 1256], writes
+
+
+def test_a_run_of_a_dtype_torch_cannot_concatenate_is_joined_as_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection: ``torch.cat`` refuses float16 (as it might a dtype of a later torch);
+    the run is written all the same, its float16 tensors joined as their bytes."""
+    cat = torch.cat
+
+    def refusing_float16(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if any(tensor.dtype == torch.float16 for tensor in tensors):
+            raise RuntimeError("\"cat_cpu\" not implemented for 'Half' (injected)")
+        return cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", refusing_float16)
+    gen = torch.Generator().manual_seed(8)
+    tensors = [
+        random_tensor(torch.float32, (10,), gen),
+        random_tensor(torch.float16, (3, 4), gen),
+        random_tensor(torch.float16, (5,), gen),
+        random_tensor(torch.int32, (6,), gen),
+    ]
+    one_by_one, joined = io.BytesIO(), io.BytesIO()
+    alone = tensor_bytes.StreamSink(one_by_one)
+    expected = [tensor_bytes.write_tensor(alone, tensor) for tensor in tensors]
+    assert tensor_bytes.write_tensors(tensor_bytes.StreamSink(joined), tensors) == expected
+    assert joined.getvalue() == one_by_one.getvalue()
+    assert tensor_bytes.write_tensors(tensor_bytes.StreamSink(io.BytesIO()), []) == []
+
+
 def test_a_key_missing_from_the_checkpoint_is_refused(tmp_path: Path) -> None:
     """A key the checkpoint lacks raises CheckpointError naming it."""
     with manager(tmp_path) as mgr:
