@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import io
+import operator
 import pathlib
 import pickle
 from typing import Any, NoReturn
@@ -209,8 +210,14 @@ def _check_storage_paths(metadata: dcp_metadata.Metadata) -> None:
         return
     if not isinstance(storage_data, collections.abc.Mapping):
         raise CorruptCheckpointError("checkpoint metadata is malformed", path=".metadata")
-    for info in storage_data.values():
-        relative = getattr(info, "relative_path", None)
+    try:  # each file once: a chunk per tensor and rank names one of a file per rank
+        relatives = set(map(_RELATIVE_PATH, storage_data.values()))
+    except (AttributeError, TypeError):  # (no path, or an unhashable one)
+        raise CorruptCheckpointError("checkpoint metadata is malformed", path=".metadata") from None
+    for relative in relatives:
         if not isinstance(relative, str):
             raise CorruptCheckpointError("checkpoint metadata is malformed", path=".metadata")
         check_relative_path(relative)
+
+
+_RELATIVE_PATH = operator.attrgetter("relative_path")

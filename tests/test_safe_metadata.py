@@ -234,3 +234,29 @@ def test_a_stand_in_builds_an_object_of_the_real_class_only() -> None:
         elif hasattr(item, "__dataclass_fields__"):
             seen.extend(getattr(item, name) for name in item.__dataclass_fields__)
     assert all(kind.__module__ != "ckptmgr.safe_metadata" for kind in kinds), kinds
+
+
+def storage_metadata(storage_data: dict[Any, Any]) -> bytes:
+    return pickle.dumps(
+        dcp_metadata.Metadata(state_dict_metadata={}, storage_data=storage_data), protocol=4
+    )
+
+
+def test_every_file_a_chunk_names_is_checked_once_each() -> None:
+    """The storage records of a sharded state name a file per rank, each thousands of times:
+    the names are checked once each (a set of them), so one bad name among many still fails,
+    and so does a record without a name, or with a name that is not text."""
+    good = {
+        dcp_metadata.MetadataIndex(f"t{i}", torch.Size([0]), 0): _StorageInfo(
+            f"__{i % 3}_0.distcp", 8 * i, 8
+        )
+        for i in range(3000)
+    }
+    assert load(storage_metadata(good)).storage_data == good
+    index = dcp_metadata.MetadataIndex("bad", torch.Size([0]), 0)
+    for bad_path in ("../outside.distcp", "/etc/passwd", ""):
+        with pytest.raises(CorruptCheckpointError, match="not inside its step directory"):
+            load(storage_metadata({**good, index: _StorageInfo(bad_path, 0, 8)}))
+    for record in (_StorageInfo(7, 0, 8), 42, _StorageInfo(["a"], 0, 8)):  # type: ignore[arg-type]
+        with pytest.raises(CorruptCheckpointError, match="malformed"):
+            load(storage_metadata({**good, index: record}))
