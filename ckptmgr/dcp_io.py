@@ -329,14 +329,14 @@ class _RawTensorWriter:
     """Files of this rank that the writer writes beside its data files (name -> bytes; the
     objects file, written from the checkpoint daemon in process mode): local writers only."""
     commit: Callable[[dcp_metadata.Metadata], Any] | None = None
-    metadata_file: MetadataFile | None = None
-    """The last save's ``.metadata`` pickled field by field (:mod:`ckptmgr.metadata_file`; a
-    manager's, handed to each of its writers): :meth:`finish` pickles only what changed since.
-    None: DCP's own ``finish`` pickles it whole."""
     """Called by :meth:`finish` with the finished metadata (listing and checksums on it) to
     commit the step where it was written; what it returns goes on the metadata as
     ``COMMITTED_ATTRIBUTE`` (a :class:`ckptmgr.daemon_commit.DaemonCommit`: local, single
     process saves in the checkpoint daemon)."""
+    metadata_file: MetadataFile | None = None
+    """The last save's ``.metadata`` pickled field by field (:mod:`ckptmgr.metadata_file`; a
+    manager's, handed to each of its writers): :meth:`finish` pickles only what changed since.
+    None: DCP's own ``finish`` pickles it whole."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         for small_name, data in self.small_files.items():  # (the directory exists by now)

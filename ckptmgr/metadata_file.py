@@ -157,6 +157,9 @@ class MetadataFile:
         else:
             start, resume, done = 0, None, []
             head = _opcodes_of(pickler, buffer, dcp_metadata.Metadata)
+            if head is None:  # pragma: no cover - (a class named in 64 KiB)
+                self.forget()
+                return pickle.dumps(metadata, _PROTOCOL)
         for index in range(start, len(fields) + 1):
             if index == resume_at and (resume is None or resume.index != index):
                 holder = pickle.Pickler(io.BytesIO(), _PROTOCOL)
@@ -166,7 +169,7 @@ class MetadataFile:
                 break
             name, value = fields[index]
             opcodes = _opcodes_of(pickler, buffer, name, value)
-            if opcodes is None or head is None:
+            if opcodes is None:
                 self.forget()
                 return pickle.dumps(metadata, _PROTOCOL)
             done.append(_Field(name, value, opcodes))
