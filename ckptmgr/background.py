@@ -18,6 +18,24 @@ log = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.2
 """How often an idle worker checks whether the interpreter is shutting down."""
 
+WAIT_SLICE_S = 0.5
+"""A wait for background jobs wakes at least this often. Python runs a signal's handler (Ctrl-C's
+KeyboardInterrupt) between bytecodes, and a thread blocked on a lock is woken by the signal
+only once it is in the system call: a signal that lands after the last check and before the
+thread blocks (more likely on a loaded machine) would be acted on only when the lock is
+released, at the end of the save. Waking from time to time bounds that delay."""
+
+
+def result_of(future: concurrent.futures.Future[Any]) -> Any:
+    """``future.result()``, waiting in slices of :data:`WAIT_SLICE_S` (see there)."""
+    while True:
+        try:
+            return future.result(timeout=WAIT_SLICE_S)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # (the job's own TimeoutError)
+                raise
+
+
 _Job = tuple[concurrent.futures.Future[Any], Callable[[], None]]
 
 
@@ -207,7 +225,8 @@ class BackgroundWriter:
             self._worker.ensure_running(cancel_stop=False)  # (or stop() its wake-up)
         with self._lock:
             pending = list(self._pending)
-        concurrent.futures.wait(pending)
+        while concurrent.futures.wait(pending, timeout=WAIT_SLICE_S).not_done:
+            pass  # (woken now and then: see WAIT_SLICE_S)
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptmgr import dcp_io, direct_read, pack_load, packing, pruning, retention
 from ckptmgr._version import __version__
-from ckptmgr.background import BackgroundWriter, FailureHandover
+from ckptmgr.background import BackgroundWriter, FailureHandover, result_of
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
 from ckptmgr.daemon_commit import DaemonCommit, DaemonCommitResult, DaemonRetention
@@ -420,7 +420,7 @@ class CheckpointManager:
             cleanup=lambda: self._abandon(request),
         )
         try:
-            future.result()
+            result_of(future)
         except BaseException as exc:
             if not (future.done() and future.exception() is exc):  # interrupted (Ctrl-C): the
                 handover.caller_gone()  # save goes on; its failure is kept for join()
