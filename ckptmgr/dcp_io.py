@@ -284,9 +284,9 @@ def _results_key(results: list[list[WriteResult]]) -> object | None:
 def _balanced(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
     """``items`` split into at most ``bins`` lists of similar byte size. In each list, the
     items of whole ``DIRECT_ALIGN`` blocks come first, largest first, then the others, largest
-    first: the items of the first kind follow each other at the same distance past block
-    boundaries of their data file (the one of :mod:`ckptmgr.block_offset`, after the zeros
-    before the first), with no zeros between them."""
+    first: every item of the first kind starts on a block boundary of its data file, where a
+    direct write can take it from its (page-aligned, see ``staging.PAGE_ALIGNED_BYTES``) staged
+    memory without a copy (:mod:`ckptmgr.direct_write`)."""
     buckets: list[list[tuple[int, WriteItem]]] = [[] for _ in range(max(1, bins))]
     loads = [0] * len(buckets)
     sized = sorted(((_item_bytes(item), item) for item in items), key=_size, reverse=True)

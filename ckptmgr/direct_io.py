@@ -44,13 +44,13 @@ def open_for_direct_io(path: str | os.PathLike[str], flags: int) -> int | None:
 
 
 class BounceBuffer:
-    """``size`` (by default :data:`BOUNCE_BYTES`) bytes of page-aligned memory: :attr:`memory`
-    to pass to ``os.pwrite`` or ``os.preadv``, :attr:`address` for copies with
-    ``ctypes.memmove`` (which releases the GIL)."""
+    """:data:`BOUNCE_BYTES` of page-aligned memory: :attr:`memory` to pass to ``os.pwrite`` or
+    ``os.preadv``, :attr:`address` for copies with ``ctypes.memmove`` (which releases the
+    GIL)."""
 
-    def __init__(self, size: int = BOUNCE_BYTES) -> None:
-        self.memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._array = (ctypes.c_char * size).from_buffer(self.memory)
+    def __init__(self) -> None:
+        self.memory = mmap.mmap(-1, BOUNCE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._array = (ctypes.c_char * BOUNCE_BYTES).from_buffer(self.memory)
         self.address = ctypes.addressof(self._array)
         """Address of the first byte."""
 

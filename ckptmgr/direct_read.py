@@ -7,16 +7,14 @@ must reclaim them). With ``O_DIRECT`` the disk puts the bytes into memory given 
 caller.
 
 Direct I/O wants the file offset, the length and the memory address aligned
-(:data:`~ckptmgr.direct_io.DIRECT_ALIGN`). Where a destination's address lines up with its file
-offset (large tensors: ckptmgr writes them as far past a block boundary as torch's allocator
-places them in memory, see :mod:`ckptmgr.block_offset`; pinned host pieces of a restore to a
-GPU) its whole blocks are read straight into it, and the partial blocks at its ends are read on
-their own (an edge block: one block, kept, as the next tensor's first bytes are usually in it).
-Other bytes go through a window: :data:`~ckptmgr.direct_io.BOUNCE_BYTES` of the file read into a
+(:data:`~ckptmgr.direct_io.DIRECT_ALIGN`). Where a destination's address lines up with
+its file offset (pinned host pieces of a restore to a GPU, page-aligned buffers) its whole
+blocks are read straight into it. Other bytes (torch's CPU tensors start 64 bytes past a page)
+go through a window: :data:`~ckptmgr.direct_io.BOUNCE_BYTES` of the file read into a
 reused aligned buffer and copied out (``memmove``, GIL released), while the next
 :data:`READ_AHEAD_WINDOWS` windows of a file read in order are already being read on helper
-threads. Where the filesystem refuses ``O_DIRECT`` (at ``open`` or at the first read) everything
-is read through the page cache.
+threads. Where the filesystem refuses
+``O_DIRECT`` (at ``open`` or at the first read) everything is read through the page cache.
 
 Measured on the benchmark machine (2 cores, ext4 on a virtual disk; docs/benchmarks.md, "Direct
 reads"): with one window read ahead the disk served about 0.6 GB/s and restores of the MLP +
@@ -52,23 +50,13 @@ DIRECT_READS = os.environ.get(DIRECT_READS_VARIABLE, "1").strip() not in ("", "0
 default; ``CKPTMGR_DIRECT_READS=0`` reads them through the page cache (as a file system that
 refuses ``O_DIRECT`` is read anyway)."""
 
-EDGE_MIN_BYTES = 16 * DIRECT_ALIGN
-"""A destination that lines up with its file offset has the partial blocks at its ends read on
-their own where it has at least this many bytes (a smaller one goes through windows)."""
-
 READ_AHEAD_WINDOWS = 3
 """Windows of a file read in order that are read ahead, each on its own helper thread, while
 the reader copies out of the current one."""
 
-PARTS_IN_FLIGHT = 1 + READ_AHEAD_WINDOWS
-"""Parts of a direct read straight into a caller's buffer that are read at once."""
-
-DIRECT_PART_BYTES = 16 * 2**20
-"""Largest part of a direct read straight into a caller's buffer."""
-
-MIN_PART_BYTES = 4 * 2**20
-"""Smallest part of a direct read straight into a caller's buffer (a smaller read is one
-part)."""
+DIRECT_READ_BYTES = 64 * 2**20
+"""Largest single direct read into a caller's buffer (a larger aligned stretch is read in
+several)."""
 
 
 def open_direct_read(path: str | os.PathLike[str]) -> int | None:
@@ -124,10 +112,9 @@ class DirectReader:
     to serve at once (one at a time it served about 0.6 GB/s where the page cache's read-ahead
     got more).
 
-    The counts of bytes read each way (:attr:`direct_bytes` into the callers' memory, of which
-    :attr:`ahead_bytes` by :meth:`read_ahead_into`; :attr:`copied_bytes` out of windows and edge
-    blocks; :attr:`buffered_bytes`) and of edge blocks read (:attr:`edge_reads`) are kept for
-    tests and benchmarks. Not thread-safe: one reader per thread.
+    The counts of bytes read each way (:attr:`direct_bytes` into the callers' memory,
+    :attr:`copied_bytes` out of windows, :attr:`buffered_bytes`) are kept for tests and
+    benchmarks. Not thread-safe: one reader per thread.
     """
 
     def __init__(self, direct_fd: int | None, buffered_fd: int) -> None:
@@ -138,73 +125,40 @@ class DirectReader:
         """Windows in file order, each starting where the one before it ends (or will end, for
         a read in flight); the first is the one last copied from."""
         self._helper: ThreadPoolExecutor | None = None
-        self._edge: BounceBuffer | None = None
-        """One block of the file (read with :meth:`_read_edge`): the partial block at an end of
-        a destination that lines up with its file offset."""
-        self._edge_start = 0
-        self._edge_length = 0
-        self._ahead: tuple[int, int, list[tuple[int, int, Future[int]]]] | None = None
-        """The region being read ahead (:meth:`read_ahead_into`): its address, its file offset
-        and its parts."""
         self.direct_bytes = 0
         self.copied_bytes = 0
         self.buffered_bytes = 0
-        self.edge_reads = 0
-        self.ahead_bytes = 0
 
     @property
     def direct(self) -> bool:
         """True while reads go past the page cache."""
         return self._direct_fd is not None
 
-    def read(self, piece: memoryview, offset: int, *, as_edge: bool = False) -> int:
+    def read(self, piece: memoryview, offset: int) -> int:
         """Fill ``piece`` (writable) with the file's bytes from ``offset``; returns the count
         read, less than ``piece.nbytes`` only where the file ends first. The GIL is released
-        during reads and copies.
-
-        ``as_edge``: ``piece`` is a few bytes (less than a block) followed by bytes read
-        straight in, as the zeros before a large tensor are: its blocks are read as edge
-        blocks (the last one kept for the tensor's first bytes), not as windows."""
+        during reads and copies."""
         address = address_of(piece)
         done = 0
         while done < piece.nbytes:
             position = offset + done
             if self._direct_fd is None:
                 return done + self._pread_buffered(piece[done:], position)
-            left = piece.nbytes - done
-            if self._ahead is not None and address is not None:
-                count = self._ahead_serves(address + done, position, left)
-                if count:
-                    self.direct_bytes += count
-                    self.ahead_bytes += count
-                    done += count
-                    continue
             window = self._window_holding(position)
             if window is not None:
-                count = min(left, window.end - position)
+                count = min(piece.nbytes - done, window.end - position)
                 self._copy_out(window, position, piece, done, address, count)
                 done += count
                 continue
+            left = piece.nbytes - done
             lines_up = address is not None and (address + done - position) % DIRECT_ALIGN == 0
             if lines_up and position % DIRECT_ALIGN == 0 and left >= DIRECT_ALIGN:
-                count = left - left % DIRECT_ALIGN
+                count = min(left - left % DIRECT_ALIGN, DIRECT_READ_BYTES)
                 got = self._pread_direct_at_once(piece[done : done + count], position)
                 self.direct_bytes += got
                 done += got
                 if got < count and self._direct_fd is not None:
                     return done  # the end of the file (else refused: the page cache reads)
-                continue
-            if address is not None and (as_edge or (lines_up and piece.nbytes >= EDGE_MIN_BYTES)):
-                block = position - position % DIRECT_ALIGN
-                if not self._read_edge(block):
-                    continue  # refused
-            edge = self._edge_holding(position)
-            if edge is not None:  # (a block already read: its bytes, or the end of the file)
-                count = min(left, edge)
-                if count <= 0:
-                    return done
-                self._copy_from_edge(position, piece, done, address, count)
-                done += count
                 continue
             window = self._fill(position - position % DIRECT_ALIGN)
             if window is None:
@@ -213,29 +167,9 @@ class DirectReader:
                 return done  # the end of the file
         return done
 
-    def read_ahead_into(self, region: memoryview, offset: int) -> None:
-        """Start reading the file's bytes from ``offset`` on straight into ``region`` (writable),
-        in parts on the helpers, :data:`PARTS_IN_FLIGHT` at once: the reads that follow, of
-        pieces of ``region`` at their offsets in turn (a buffer filled piece by piece), wait for
-        those parts instead of reading. Only the whole blocks of ``region`` that line up with
-        the file are read so (nothing where it does not line up, or where direct reads are
-        off); a part that fails is read again by the read that needs it, which raises its
-        error. One region at a time: a new one waits for the reads of the last."""
-        self._drop_ahead()
-        address = address_of(region)
-        if self._direct_fd is None or address is None:
-            return
-        head = -offset % DIRECT_ALIGN
-        if (address - offset) % DIRECT_ALIGN or region.nbytes - head < DIRECT_ALIGN:
-            return
-        length = (region.nbytes - head) - (region.nbytes - head) % DIRECT_ALIGN
-        body = region[head : head + length]
-        self._ahead = (address + head, offset + head, self._start_parts(body, offset + head))
-
     def close(self) -> None:
         """Wait for the reads in flight, close the direct descriptor and return the buffers for
         reuse (not the buffered descriptor: the caller's)."""
-        self._drop_ahead()
         self._settle_all()
         if self._helper is not None:
             self._helper.shutdown(wait=True)
@@ -243,46 +177,7 @@ class DirectReader:
         for window in self._windows:
             give_back_bounce_buffer(window.buffer)
         self._windows = []
-        self._edge = None
         self._stop_direct()
-
-    def _read_edge(self, start: int) -> bool:
-        """Hold the block at ``start`` (a block boundary) in the edge block, read directly
-        unless it already holds it; False (direct reads off) where the filesystem refused."""
-        if self._edge is not None and self._edge_start == start and self._edge_length:
-            return True
-        if self._edge is None:
-            self._edge = BounceBuffer(DIRECT_ALIGN)
-        self._edge_length = 0
-        got = self._pread_direct(memoryview(self._edge.memory), start)
-        if got is None:
-            return False
-        self._edge_start, self._edge_length = start, got
-        self.edge_reads += 1
-        return True
-
-    def _edge_holding(self, position: int) -> int | None:
-        """Where the edge block is the block of ``position``: the count of its bytes from there
-        (0 or less: the file ends before ``position``); else None."""
-        start = self._edge_start
-        if (
-            self._edge is None
-            or not self._edge_length
-            or not start <= position < start + DIRECT_ALIGN
-        ):
-            return None
-        return start + self._edge_length - position
-
-    def _copy_from_edge(
-        self, position: int, piece: memoryview, done: int, address: int | None, count: int
-    ) -> None:
-        assert self._edge is not None
-        within = position - self._edge_start
-        if address is not None:
-            ctypes.memmove(address + done, self._edge.address + within, count)
-        else:
-            piece[done : done + count] = self._edge.memory[within : within + count]
-        self.copied_bytes += count
 
     # -- windows ------------------------------------------------------------------------------
     def _window_holding(self, position: int) -> _Window | None:
@@ -345,7 +240,7 @@ class DirectReader:
     def _helper_pool(self) -> ThreadPoolExecutor:
         if self._helper is None:
             self._helper = ThreadPoolExecutor(
-                PARTS_IN_FLIGHT, thread_name_prefix="ckptmgr-read-ahead"
+                READ_AHEAD_WINDOWS, thread_name_prefix="ckptmgr-read-ahead"
             )
         return self._helper
 
@@ -384,76 +279,47 @@ class DirectReader:
             return None
 
     def _pread_direct_at_once(self, data: memoryview, offset: int) -> int:
-        """Read aligned ``data`` at ``offset`` directly, in parts read on the helpers,
-        :data:`PARTS_IN_FLIGHT` at once and the next started as soon as one ends (see
-        :meth:`_start_parts`): the disk serves several reads faster than one, and faster still
-        when it is never left with fewer. Returns the count read: short of ``data`` where the
-        file ends, or where the filesystem refused (direct reads are off then; the caller reads
-        the rest). A part that failed is read again on this thread, where its error is raised
-        or handled."""
-        if len(_part_spans(data.nbytes)) == 1:  # (one part: read here)
-            count = self._pread_direct(data, offset)
-            return 0 if count is None else count
-        parts = self._start_parts(data, offset)
-        futures = [future for _, _, future in parts]
+        """Read aligned ``data`` at ``offset`` directly, split into up to ``1 +
+        READ_AHEAD_WINDOWS`` parts of at least a window each read at once (the first on this
+        thread, the others on the helpers): the disk serves several reads faster than one.
+        Returns the count read: short of ``data`` where the file ends, or where the
+        filesystem refused (direct reads are off then; the caller reads the rest). A part that
+        failed is read again on this thread, where its error is raised or handled."""
+        parts = max(1, min(1 + READ_AHEAD_WINDOWS, data.nbytes // BOUNCE_BYTES))
+        fd = self._direct_fd
+        assert fd is not None
+        step = _round_up(_round_up(data.nbytes, parts) // parts, DIRECT_ALIGN)
+        starts = list(range(0, data.nbytes, step))
+        helper = self._helper_pool() if len(starts) > 1 else None
+        futures = [
+            helper.submit(_pread_all, fd, data[start : start + step], offset + start)
+            for start in starts[1:]
+            if helper is not None
+        ]
+        counts: list[int | None] = []
         try:
-            wait(futures)
-        finally:  # (an interrupt ends the wait, not the reads: they end before a close)
-            wait(futures)
-        total = 0
-        for start, wanted, future in parts:
             try:
-                count: int | None = future.result()
+                counts.append(_pread_all(fd, data[:step], offset))
             except OSError:
+                counts.append(None)  # read again below
+        finally:
+            wait(futures)  # (all of them end before the descriptor may be closed)
+        for future in futures:
+            try:
+                counts.append(future.result())
+            except OSError:
+                counts.append(None)
+        total = 0
+        for start, count in zip(starts, counts, strict=True):
+            wanted = min(step, data.nbytes - start)
+            if count is None:
                 count = self._pread_direct(data[start : start + wanted], offset + start)
                 if count is None:
                     return total  # refused
-            assert count is not None
             total += count
             if count < wanted:
                 break  # the end of the file
         return total
-
-    def _start_parts(self, data: memoryview, offset: int) -> list[tuple[int, int, Future[int]]]:
-        """(start, length, read) of each part of aligned ``data`` (at ``offset`` in the file,
-        see :func:`_part_spans`), each read queued on the helpers: as many threads as parts in
-        flight, so that the next part starts as soon as one ends."""
-        fd = self._direct_fd
-        assert fd is not None
-        helper = self._helper_pool()
-        return [
-            (
-                start,
-                length,
-                helper.submit(_pread_all, fd, data[start : start + length], offset + start),
-            )
-            for start, length in _part_spans(data.nbytes)
-        ]
-
-    def _ahead_serves(self, address: int, position: int, left: int) -> int:
-        """Bytes from ``position`` on (at most ``left``) that the region read ahead holds at
-        ``address``, once its part holding them has ended; 0 where it holds none of them (the
-        region is dropped where that part failed or came back short)."""
-        assert self._ahead is not None
-        region_address, region_offset, parts = self._ahead
-        within = position - region_offset
-        if address - position != region_address - region_offset or within < 0:
-            return 0
-        for start, wanted, future in parts:
-            if start <= within < start + wanted:
-                wait([future])
-                if future.exception() is not None or future.result() < wanted:
-                    self._drop_ahead()
-                    return 0
-                return min(left, start + wanted - within)
-        return 0
-
-    def _drop_ahead(self) -> None:
-        """Forget the region read ahead, once its reads have ended (their errors are for the
-        reads that need the bytes to raise)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            wait([future for _, _, future in ahead[2]])
 
     def _pread_buffered(self, data: memoryview, offset: int) -> int:
         done = 0
@@ -468,20 +334,10 @@ class DirectReader:
     def _stop_direct(self) -> None:
         fd, self._direct_fd = self._direct_fd, None
         if fd is not None:
-            self._drop_ahead()
             self._settle_all()  # (the helpers read with this descriptor)
             os.close(fd)
         for window in self._windows:
             window.length = 0  # nothing more is served from them
-
-
-def _part_spans(nbytes: int) -> list[tuple[int, int]]:
-    """(start, length) of the parts of an aligned read of ``nbytes`` straight into a caller's
-    buffer: :data:`PARTS_IN_FLIGHT` parts where that makes them :data:`MIN_PART_BYTES` to
-    :data:`DIRECT_PART_BYTES` each, else fewer of at least, or more of at most, that."""
-    step = _round_up(-(-nbytes // PARTS_IN_FLIGHT), DIRECT_ALIGN)
-    step = min(max(step, MIN_PART_BYTES), DIRECT_PART_BYTES)
-    return [(start, min(step, nbytes - start)) for start in range(0, nbytes, step)]
 
 
 def _round_up(count: int, multiple: int) -> int:

@@ -42,8 +42,6 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from ckptmgr import tensor_bytes
-from ckptmgr.block_offset import large_tensor_block_offset
-from ckptmgr.direct_io import DIRECT_ALIGN
 from ckptmgr.packing import PACK_KEY
 from ckptmgr.tensor_table import TensorTable
 
@@ -62,7 +60,7 @@ class PackReadAhead:
         """``local``: ``reader`` reads a local disk, and DCP's metadata is read here, before the
         thread starts (a small local read, whose file operations would each wait for the GIL
         on the thread); on a remote store the thread downloads it."""
-        self.buffer = _lined_up(size)
+        self.buffer = torch.empty(size, dtype=torch.uint8)
         """The pack's bytes, once :meth:`wait` returned True."""
         self.skipped = False
         """True when the pack shares its file with more bytes than its own (see :meth:`wait`)."""
@@ -127,10 +125,6 @@ class PackReadAhead:
                 return
             path = fs.concat_path(self._reader.path, place.relative_path)
             with fs.open_data_source(path, hash_inline=True) as source:
-                if isinstance(source, tensor_bytes.VerifyingLocalFile):  # (its pieces are
-                    # read straight into the buffer, several at once, where it lines up)
-                    view = tensor_bytes.byte_view(self.buffer)
-                    source.reader.read_ahead_into(view, place.offset)
                 done = 0
                 while done < size:
                     count = min(READ_PIECE_BYTES, size - done)
@@ -197,14 +191,6 @@ class PackReadAhead:
         if self._thread is not None:
             self._thread.join()
         return not self._failed
-
-
-def _lined_up(size: int) -> torch.Tensor:
-    """``size`` bytes of new memory that start as far past a block boundary as a large tensor
-    in a data file (:mod:`ckptmgr.block_offset`), as the pack is: read straight into."""
-    memory = torch.empty(size + DIRECT_ALIGN, dtype=torch.uint8)
-    skew = (large_tensor_block_offset() - memory.data_ptr()) % DIRECT_ALIGN
-    return memory[skew : skew + size]
 
 
 def pack_size(table: TensorTable) -> int | None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ckptmgr import packing
-from ckptmgr.block_offset import placed
+from ckptmgr.direct_write import DIRECT_ALIGN
 from ckptmgr.errors import CheckpointError
 from ckptmgr.packing import (
     PACK_KEY,
@@ -65,10 +65,9 @@ except ImportError:  # pragma: no cover - torch without DTensor
 ALIGN = 64
 """Byte alignment of every region in an arena (a multiple of every dtype's item size)."""
 PAGE_ALIGNED_BYTES = 64 * 2**10
-"""A region of at least this many bytes (larger than any packed tensor), and the pack, start as
-far past a ``DIRECT_ALIGN`` boundary of the arena as their bytes do in a data file
-(:mod:`ckptmgr.block_offset`), so that a data file written directly takes them from where they
-lie (:mod:`ckptmgr.direct_write`) rather than through a copy."""
+"""A region of at least this many bytes (larger than any packed tensor) starts on a
+``DIRECT_ALIGN`` boundary of the arena, so that a data file written directly takes its bytes
+from where they lie (:mod:`ckptmgr.direct_write`) rather than through a copy."""
 
 _WAIT_LOG_S = 10.0  # while waiting for budget, log again after this many seconds
 
@@ -112,7 +111,7 @@ def _placed(offset: int, size: int) -> int:
     """Where in the arena a region of ``size`` bytes that could start at ``offset`` starts."""
     if size < PAGE_ALIGNED_BYTES:
         return offset
-    return placed(offset)
+    return (offset + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
 
 
 class _Arena:
@@ -242,7 +241,7 @@ class _Layout:
     entries: dict[str, tuple[int, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]]
     shared: list[bool]  # per unit: True when it is a shared-storage byte range
     unit_keys: list[str]  # per unit: the key whose source storage the unit is copied from
-    packed: dict[str, PackedTensor]  # small tensors staged back to back, first in the arena
+    packed: dict[str, PackedTensor]  # small tensors staged back to back at the arena's start
     pack_bytes: int
     quick: tuple[object, ...]  # _quick_signature of the state it was made for
     plain: bool  # no DTensor: the quick signature and _views_still_share decide reuse
@@ -339,7 +338,7 @@ class StagingBuffers:
 
         With ``pack``, small plain tensors whose names it accepts (see :mod:`ckptmgr.packing`;
         :func:`~ckptmgr.packing.any_name` for all) are staged back to back
-        first in the arena and returned as one ``uint8`` tensor under ``PACK_KEY``
+        at the start of the arena and returned as one ``uint8`` tensor under ``PACK_KEY``
         instead of one by one; :attr:`packed` says where each lies. The pack then costs no
         copy beyond the staging copy itself.
 
@@ -407,19 +406,18 @@ class StagingBuffers:
         unit_keys: list[str] = []
         entries: dict[str, tuple[int, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]]
         entries = {}
+        offset = 0
         # The pack first, laid out as packing.pack_layout says, from tensors that share their
         # storage with no other staged tensor.
         single = {keys[0] for keys in by_storage.values() if len(keys) == 1}
         packed = pack_layout(sources, [key for key in pack_keys if key in single])
-        pack_start = placed(0) if packed else 0
-        offset = pack_start
         for key, entry in packed.items():
             entries[key] = (len(units), (entry.dtype, entry.shape, (), -1))
-            units.append((pack_start + entry.offset, entry.nbytes, 0))
+            units.append((entry.offset, entry.nbytes, 0))
             shared.append(False)
             unit_keys.append(key)
-            offset = pack_start + entry.offset + entry.nbytes
-        pack_bytes = offset - pack_start
+            offset = entry.offset + entry.nbytes
+        pack_bytes = offset
         offset = _aligned(offset)
         for keys in by_storage.values():
             if keys[0] in packed:
@@ -529,9 +527,7 @@ class StagingBuffers:
                 (unit_keys[first:end], region.view(packed[unit_keys[first]].dtype))
             )
         self._pack_view = (
-            arena.region(pack_start, pack_bytes)
-            if pack_bytes
-            else torch.empty(0, dtype=torch.uint8)
+            arena.region(0, pack_bytes) if pack_bytes else torch.empty(0, dtype=torch.uint8)
         )
         out = {key: staged.get(key, self._empty.get(key)) for key in sources if key not in packed}
         if packed:

@@ -32,8 +32,6 @@ from typing import Any, Protocol
 
 import torch
 
-from ckptmgr.block_offset import padding_before
-from ckptmgr.direct_io import DIRECT_ALIGN
 from ckptmgr.direct_read import DirectReader, open_direct_read
 from ckptmgr.direct_write import DirectWriter, open_direct
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
@@ -349,11 +347,7 @@ def write_tensors(sink: TensorSink, tensors: Iterable[torch.Tensor]) -> list[tup
     (a ``torch.cat`` per stretch of one dtype) and written at once, up to :data:`RUN_BYTES` at
     a time: the same bytes in the same places, for about a microsecond per tensor instead of a
     write (a rank of a sharded state writes a small shard of every DTensor; each on its own
-    took about 20 µs).
-
-    Every larger tensor starts as far past a block boundary of the file as a large tensor does
-    in memory (zeros before it where needed; :mod:`ckptmgr.block_offset`), so that direct reads
-    and writes take its bytes from and to where they lie."""
+    took about 20 µs)."""
     spans: list[tuple[int, int]] = []
     run: list[torch.Tensor] = []
     lengths: list[int] = []
@@ -371,10 +365,6 @@ def write_tensors(sink: TensorSink, tensors: Iterable[torch.Tensor]) -> list[tup
         if run:
             _write_run(sink, run, lengths, spans)
             run, lengths, run_bytes = [], [], 0
-        if nbytes > SMALL_TENSOR_BYTES:
-            padding = padding_before(sink.tell())
-            if padding:
-                sink.write_piece(_ZEROS[:padding], None)
         spans.append(write_tensor(sink, tensor))
     if run:
         _write_run(sink, run, lengths, spans)
@@ -392,7 +382,6 @@ def _plain_cpu(tensor: torch.Tensor) -> bool:
 
 
 _DTYPE = operator.attrgetter("dtype")
-_ZEROS = memoryview(bytes(DIRECT_ALIGN))  # padding (read only: a sink only reads it)
 
 
 def _write_run(
@@ -518,9 +507,7 @@ class VerifyingLocalFile:
         while offset is None or self._position < offset:
             want = _HANDOFF_BYTES * 8 if offset is None else min(offset - self._position, 1 << 23)
             buffer = torch.empty(want, dtype=torch.uint8)
-            # (less than a block: the zeros before a large tensor, whose first bytes follow)
-            as_edge = offset is not None and want < DIRECT_ALIGN
-            count = self._reader.read(byte_view(buffer), self._position, as_edge=as_edge)
+            count = self._reader.read(byte_view(buffer), self._position)
             if not count:
                 if offset is None:
                     return
@@ -619,8 +606,7 @@ def read_chunk_to_device(
     of exactly that shape and dtype, on any device) without a host copy of the whole chunk.
 
     Each piece of at most ``DEVICE_READ_PIECE_BYTES`` is read into a new host tensor (pinned
-    with ``pin``, from torch's caching host allocator), from where its address lines up with
-    its file offset, and copied to its place in ``target``,
+    with ``pin``, from torch's caching host allocator) and copied to its place in ``target``,
     non-blocking when pinned, on the current stream of ``target``'s device: the next piece is
     read while it is copied. The caller synchronises that stream before ``target`` is used.
     A piece's memory is reused only once its copy is done (the caching host allocator waits
@@ -633,17 +619,9 @@ def read_chunk_to_device(
     flat = target.reshape(-1).view(torch.uint8)
     done = 0
     while done < length:
-        # Each piece is used from where its address lines up with its file offset (a page
-        # boundary of a pinned piece for a piece that starts on a block boundary; the first
-        # starts past one, see ckptmgr.block_offset), so that a direct read fills it in place.
-        size = min(DEVICE_READ_PIECE_BYTES, length - done + DIRECT_ALIGN)
-        host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-        skew = (offset + done - host.data_ptr()) % DIRECT_ALIGN
-        if skew >= size:
-            skew = 0  # (a piece smaller than its skew: nothing to line up)
-        count = min(size - skew, length - done)
-        piece = host[skew : skew + count]
-        source.read_into(offset + done, byte_view(piece), host)
+        count = min(DEVICE_READ_PIECE_BYTES, length - done)
+        piece = torch.empty(count, dtype=torch.uint8, pin_memory=pin)
+        source.read_into(offset + done, byte_view(piece), piece)
         flat[done : done + count].copy_(piece, non_blocking=pin)
         done += count
 

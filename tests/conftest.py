@@ -153,38 +153,3 @@ def set_tensor_rows(record: dict[str, Any], rows: dict[str, dict[str, Any]]) -> 
 def packed_names(record: dict[str, Any]) -> set[str]:
     """The stored names of the packed tensors of a parsed commit.json (format 3 or 4)."""
     return {name for name, row in tensor_rows(record).items() if row["offset"] is not None}
-
-
-def data_file_layout(step_path: Path) -> tuple[int, int]:
-    """(bytes of the stored items, bytes of zeros before them) of the ``*.distcp`` files of the
-    step at ``step_path``, after checking that nothing else is in them: every byte outside an
-    item is a zero of the padding before an item of more than ``SMALL_TENSOR_BYTES`` (less than
-    a block, which then starts as far past a block boundary as torch's large tensors do in
-    memory: ``ckptmgr.block_offset``), and each file ends with its last item."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from ckptmgr.block_offset import large_tensor_block_offset
-    from ckptmgr.direct_io import DIRECT_ALIGN
-    from ckptmgr.tensor_bytes import SMALL_TENSOR_BYTES
-
-    files = sorted(step_path.glob("*.distcp"))
-    metadata = FileSystemReader(str(step_path)).read_metadata()
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for info in metadata.storage_data.values():
-        spans.setdefault(info.relative_path, []).append((info.offset, info.length))
-    assert set(spans) == {path.name for path in files}
-    items = padding = 0
-    for path in files:
-        data = path.read_bytes()
-        end = 0
-        for start, length in sorted(spans[path.name]):
-            if start != end:
-                assert length > SMALL_TENSOR_BYTES, (path.name, start)
-                assert 0 < start - end < DIRECT_ALIGN and data[end:start] == bytes(start - end)
-                padding += start - end
-            if length > SMALL_TENSOR_BYTES:
-                assert start % DIRECT_ALIGN == large_tensor_block_offset(), (path.name, start)
-            items += length
-            end = start + length
-        assert end == len(data), path.name
-    return items, padding

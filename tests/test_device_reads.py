@@ -9,7 +9,6 @@ tests/test_cuda.py covers CUDA destinations.
 
 from __future__ import annotations
 
-import ctypes
 import zlib
 from pathlib import Path
 
@@ -17,7 +16,6 @@ import pytest
 import torch
 
 from ckptmgr import CheckpointManager, CorruptCheckpointError, tensor_bytes
-from ckptmgr.direct_io import DIRECT_ALIGN
 
 
 def _random(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -40,14 +38,12 @@ class _RecordingSource:
     def __init__(self, data: bytes) -> None:
         self.data = data
         self.reads: list[tuple[int, int]] = []
-        self.addresses: list[int] = []
         self.owners: list[object] = []
         self.crc = 0
 
     def read_into(self, offset: int, piece: memoryview, owner: object) -> None:
         piece[:] = self.data[offset : offset + piece.nbytes]
         self.reads.append((offset, piece.nbytes))
-        self.addresses.append(ctypes.addressof(ctypes.c_char.from_buffer(piece)))
         self.owners.append(owner)
         self.crc = zlib.crc32(piece, self.crc)
 
@@ -82,36 +78,15 @@ def test_a_chunk_is_read_in_pieces_into_its_destination_bit_exact(
         source, len(prefix), len(stored), dtype, tuple(shape), target, pin=False
     )
     assert torch.equal(_bits(target), _bits(value))
-    # in order, back to back, each piece at most piece_bytes (fewer where a piece is used from
-    # where its address lines up with its file offset)
-    ends = [len(prefix)] + [offset + count for offset, count in source.reads]
-    assert [offset for offset, _ in source.reads] == ends[:-1]
-    assert ends[-1] == len(prefix) + len(stored)
-    assert all(0 < count <= piece_bytes for _, count in source.reads)
+    expected_reads = [
+        (len(prefix) + start, min(piece_bytes, len(stored) - start))
+        for start in range(0, len(stored), piece_bytes)
+    ]
+    assert source.reads == expected_reads  # in order, each piece at most piece_bytes
     # each piece is its own tensor, handed to the source as the piece's owner
     assert all(isinstance(owner, torch.Tensor) for owner in source.owners)
     assert len({id(owner) for owner in source.owners}) == len(source.owners)
     assert source.crc == zlib.crc32(stored)
-
-
-def test_pieces_line_up_with_their_file_offsets(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A direct read fills a piece in place only where the piece's address is as far past a
-    # block boundary as its file offset (ckptmgr.direct_read). (Pinned pieces are page-aligned:
-    # there every piece after the first starts on a block boundary.)
-    monkeypatch.setattr(tensor_bytes, "DEVICE_READ_PIECE_BYTES", 3 * DIRECT_ALIGN)
-    value = _random(torch.float32, (10 * DIRECT_ALIGN // 4 + 5,), 2)
-    stored = bytes(_bits(value).numpy())
-    prefix = b"\x00" * (DIRECT_ALIGN + 64)
-    source = _RecordingSource(prefix + stored)
-    target = torch.zeros_like(value)
-    tensor_bytes.read_chunk_to_device(
-        source, len(prefix), len(stored), torch.float32, tuple(value.shape), target, pin=False
-    )
-    assert torch.equal(_bits(target), _bits(value))
-    assert len(source.reads) >= 4
-    for (offset, count), address in zip(source.reads, source.addresses, strict=True):
-        assert (address - offset) % DIRECT_ALIGN == 0, (offset, count)
-        assert count <= 3 * DIRECT_ALIGN
 
 
 def test_a_chunk_whose_length_does_not_fit_its_shape_is_corruption() -> None:

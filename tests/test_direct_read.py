@@ -22,14 +22,8 @@ from _direct_io import (
 )
 
 from ckptmgr import CheckpointManager, CorruptCheckpointError, direct_read
-from ckptmgr.block_offset import large_tensor_block_offset
 from ckptmgr.direct_io import BOUNCE_BYTES, DIRECT_ALIGN
-from ckptmgr.direct_read import (
-    PARTS_IN_FLIGHT,
-    READ_AHEAD_WINDOWS,
-    DirectReader,
-    open_direct_read,
-)
+from ckptmgr.direct_read import READ_AHEAD_WINDOWS, DirectReader, open_direct_read
 from ckptmgr.tensor_bytes import VerifyingLocalFile, byte_view
 
 linux_only = pytest.mark.skipif(
@@ -110,115 +104,21 @@ def test_reads_at_any_offset_into_any_address_give_the_file_bytes(
         os.close(buffered)
 
 
-@linux_only
-@pytest.mark.parametrize("refused", [False, True], ids=["direct", "refused-at-first-read"])
-def test_destinations_that_line_up_past_a_block_boundary_have_only_their_edges_copied(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: bool
-) -> None:
-    """Two tensors back to back 64 bytes past block boundaries (as ckptmgr writes large
-    tensors for torch's glibc-allocated ones), read into memory just as far past a boundary:
-    their whole blocks are read straight in, the partial blocks at their ends as edge blocks,
-    the one they share read once; a small destination that lines up goes through a window.
-    With the filesystem refusing the first direct read, everything comes through the page
-    cache."""
-    size = 50 * DIRECT_ALIGN + 164  # the second tensor ends with the file, inside a block
-    path, blob = _file(tmp_path, size)
-    reader, buffered = _reader(path)
-    if refused:
-        direct_fd = reader._direct_fd
-        real_preadv = os.preadv
-
-        def refusing_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
-            if fd == direct_fd:
-                raise OSError(errno.EINVAL, "Invalid argument")
-            return real_preadv(fd, buffers, offset)
-
-        monkeypatch.setattr(direct_read.os, "preadv", refusing_preadv)
-    first = (64, 20 * DIRECT_ALIGN)  # (EDGE_MIN_BYTES or more: edges read on their own)
-    second = (20 * DIRECT_ALIGN + 64, size - 20 * DIRECT_ALIGN - 64)
-    small = (2 * DIRECT_ALIGN + 64, 1000)  # (read again: any order gives the bytes)
-    try:
-        for offset, length in (first, second):
-            target = _buffer(length, 64)
-            assert reader.read(byte_view(target), offset) == length
-            assert bytes(target.numpy()) == blob[offset : offset + length]
-        if refused:
-            assert not reader.direct
-            assert reader.buffered_bytes == first[1] + second[1]
-            assert reader.direct_bytes == reader.edge_reads == 0
-            return
-        assert reader.edge_reads == 3  # blocks 0, 20 (shared) and 50
-        assert reader.direct_bytes == (19 + 29) * DIRECT_ALIGN
-        edges = (DIRECT_ALIGN - 64) + 64 + (DIRECT_ALIGN - 64) + 164
-        assert reader.copied_bytes == edges
-        target = _buffer(small[1], 64)
-        assert reader.read(byte_view(target), small[0]) == small[1]
-        assert bytes(target.numpy()) == blob[small[0] : small[0] + small[1]]
-        assert reader.edge_reads == 3
-        assert reader.copied_bytes == edges + small[1]
-        assert reader.buffered_bytes == 0
-    finally:
-        reader.close()
-        os.close(buffered)
-
-
-@linux_only
-def test_a_restore_into_torch_tensors_reads_their_bytes_straight_in(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Large tensors start as far past a block boundary in the data file as in memory
-    # (ckptmgr.block_offset): a restore into destinations placed as torch places large tensors
-    # reads all but their edges straight in.
-    skip_without_o_direct(tmp_path)
-    counts: list[tuple[int, int]] = []
-    real_close = DirectReader.close
-
-    def noting_close(reader: DirectReader) -> None:
-        counts.append((reader.direct_bytes, reader.copied_bytes))
-        real_close(reader)
-
-    monkeypatch.setattr(DirectReader, "close", noting_close)
-    generator = torch.Generator().manual_seed(4)
-    state = {
-        "a": torch.randn(1024, 1024, generator=generator),
-        "b": torch.randn(3, 100_000, generator=generator),
-        "c": torch.randn(777, generator=generator),
-    }
-    offset = large_tensor_block_offset()
-    target = {}
-    for key, value in state.items():
-        nbytes = value.numel() * value.element_size()
-        target[key] = _buffer(nbytes, offset).view(value.dtype).view(value.shape)
-    with CheckpointManager(tmp_path / "ckpts", save_interval=1) as manager:
-        manager.save(1, state)
-        drop_from_page_cache(tmp_path / "ckpts")
-        counts.clear()
-        manager.restore(1, target)
-    for key, value in state.items():
-        assert torch.equal(target[key], value), key
-    direct = sum(direct for direct, _ in counts)
-    copied = sum(copied for _, copied in counts)
-    assert direct >= (1024 * 1024 + 300_000) * 4 - 4 * DIRECT_ALIGN
-    assert copied <= 777 * 4 + 4 * DIRECT_ALIGN
-
-
 BOUND_S = 60.0
 
 
-def _hold_helper_reads(
-    monkeypatch: pytest.MonkeyPatch, count: int = READ_AHEAD_WINDOWS
-) -> tuple[threading.Barrier, list[int]]:
-    """Fault injection: the first ``count`` reads on the reader's helper threads wait until all
-    of them have started (the barrier breaks after BOUND_S where fewer are ever in flight at
-    once). Returns the barrier and the offsets the helpers read, in order."""
-    all_started = threading.Barrier(count, timeout=BOUND_S)
+def _hold_helper_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Barrier, list[int]]:
+    """Fault injection: the first READ_AHEAD_WINDOWS reads on the reader's helper threads wait
+    until all of them have started (the barrier breaks after BOUND_S where fewer are ever in
+    flight at once). Returns the barrier and the offsets the helpers read, in order."""
+    all_started = threading.Barrier(READ_AHEAD_WINDOWS, timeout=BOUND_S)
     offsets: list[int] = []
     real_pread_all = direct_read._pread_all
 
     def pread_all(fd: int, data: memoryview, offset: int) -> int:
         if threading.current_thread().name.startswith("ckptmgr-read-ahead"):
             offsets.append(offset)
-            if len(offsets) <= count:
+            if len(offsets) <= READ_AHEAD_WINDOWS:
                 all_started.wait()  # (BrokenBarrierError, where fewer are in flight)
         return real_pread_all(fd, data, offset)
 
@@ -263,87 +163,23 @@ def test_several_windows_are_read_ahead_at_once(
 def test_a_large_read_into_aligned_memory_is_split_into_reads_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ends_early: bool
 ) -> None:
-    """Memory that lines up with the file (pinned pieces of a GPU restore, torch's large
-    tensors) is read straight into in parts of at most DIRECT_PART_BYTES, PARTS_IN_FLIGHT at
-    once (the first of them wait here until all have started) and the next as soon as one
-    ends; a file that ends inside a part gives what there is."""
-    monkeypatch.setattr(direct_read, "DIRECT_PART_BYTES", 2 * BOUNCE_BYTES)
-    parts = PARTS_IN_FLIGHT + 2  # (more than in flight: the last two start as others end)
-    if ends_early:
-        size = BOUNCE_BYTES + 5 * DIRECT_ALIGN + 9
-    else:
-        size = parts * 2 * BOUNCE_BYTES + 17
+    """Pinned pieces of a GPU restore line up with the file: up to DIRECT_READ_BYTES are read
+    straight into them in 1 + READ_AHEAD_WINDOWS parts at once (the helpers' parts wait here
+    until all have started), and a file that ends inside a part gives what there is."""
+    parts = 1 + READ_AHEAD_WINDOWS
+    size = BOUNCE_BYTES + 5 * DIRECT_ALIGN + 9 if ends_early else parts * 2 * BOUNCE_BYTES + 17
     path, blob = _file(tmp_path, size)
     reader, buffered = _reader(path)
-    all_started, helper_reads = _hold_helper_reads(monkeypatch, PARTS_IN_FLIGHT)
+    all_started, helper_reads = _hold_helper_reads(monkeypatch)
     try:
         length = size if not ends_early else parts * 2 * BOUNCE_BYTES
         target = _buffer(length, 0)
         assert reader.read(byte_view(target), 0) == size
         assert bytes(target.numpy()[:size]) == blob
-        assert sorted(helper_reads) == [k * 2 * BOUNCE_BYTES for k in range(parts)]
+        assert sorted(helper_reads)[: parts - 1] == [k * 2 * BOUNCE_BYTES for k in range(1, parts)]
         assert not all_started.broken
         tail = 0 if ends_early else size % DIRECT_ALIGN  # (the last block, whole in target)
         assert (reader.direct_bytes, reader.copied_bytes) == (size - tail, tail)
-    finally:
-        reader.close()
-        os.close(buffered)
-
-
-@linux_only
-@pytest.mark.parametrize("failing", [None, "ahead", "always"])
-def test_a_region_read_ahead_serves_the_reads_of_its_pieces(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str | None
-) -> None:
-    """A buffer filled piece by piece (the pack of a restore) is read ahead whole: its lined-up
-    blocks in parts on the helpers, PARTS_IN_FLIGHT at once; the reads of its pieces then read
-    only the edges. Fault injection: the disk fails the third part's read ahead (the piece
-    that needs it reads it again, and gets the bytes), or every read of it (that piece's read
-    raises the disk's error; the reader still reads what the disk gives)."""
-    monkeypatch.setattr(direct_read, "MIN_PART_BYTES", 2**20)
-    monkeypatch.setattr(direct_read, "DIRECT_PART_BYTES", 2**20)
-    size = 6 * 2**20 + 3 * DIRECT_ALIGN + 300
-    path, blob = _file(tmp_path, size)
-    reader, buffered = _reader(path)
-    bad = DIRECT_ALIGN + 2 * 2**20  # in the third part: [bad, bad + 1 MiB)
-    original_pread_all = direct_read._pread_all
-    failed: list[str] = []
-
-    def failing_pread_all(fd: int, data: memoryview, offset: int) -> int:
-        ahead = threading.current_thread().name.startswith("ckptmgr-read-ahead")
-        if failing and offset <= bad < offset + data.nbytes and (ahead or failing == "always"):
-            failed.append("ahead" if ahead else "again")
-            raise OSError(errno.EIO, "Input/output error")
-        return original_pread_all(fd, data, offset)
-
-    monkeypatch.setattr(direct_read, "_pread_all", failing_pread_all)
-    all_started, helper_reads = _hold_helper_reads(monkeypatch, PARTS_IN_FLIGHT)
-    region = _buffer(size - 64, 64)
-    piece_bytes = 300_000
-    try:
-        reader.read_ahead_into(byte_view(region), 64)
-        start = 0
-        while start < region.numel():
-            piece = region[start : start + piece_bytes]
-            if failing == "always" and start <= bad - 64 < start + piece.numel():
-                with pytest.raises(OSError) as raised:
-                    reader.read(byte_view(piece), 64 + start)
-                assert raised.value.errno == errno.EIO
-                region[start : start + piece.numel()] = torch.frombuffer(
-                    bytearray(blob[64 + start : 64 + start + piece.numel()]), dtype=torch.uint8
-                )
-            else:
-                assert reader.read(byte_view(piece), 64 + start) == piece.numel()
-            start += piece.numel()
-        assert bytes(region.numpy()) == blob[64:]
-        assert not all_started.broken
-        assert sorted(helper_reads)[:6] == [DIRECT_ALIGN + k * 2**20 for k in range(6)]
-        if failing is None:
-            assert reader.direct_bytes == 6 * 2**20 + 2 * DIRECT_ALIGN
-            assert reader.copied_bytes == (DIRECT_ALIGN - 64) + 300
-        else:
-            assert failed[0] == "ahead"
-            assert failed[1:] == ([] if failing == "ahead" else ["again"])
     finally:
         reader.close()
         os.close(buffered)

@@ -13,17 +13,8 @@ from typing import Any
 import fsspec
 import pytest
 import torch
-from _direct_io import drop_from_page_cache, skip_without_o_direct
 
-from ckptmgr import (
-    CheckpointError,
-    CheckpointManager,
-    CorruptCheckpointError,
-    dcp_io,
-    direct_read,
-    tensor_bytes,
-)
-from ckptmgr.direct_io import DIRECT_ALIGN
+from ckptmgr import CheckpointError, CheckpointManager, CorruptCheckpointError, dcp_io, tensor_bytes
 from ckptmgr.pack_read_ahead import PackReadAhead, pack_size
 from ckptmgr.packing import PACK_KEY
 from ckptmgr.tensor_table import TensorTable
@@ -119,41 +110,6 @@ def test_restore_reads_the_pack_ahead_once(tmp_path: Path, monkeypatch: pytest.M
     for key, value in state.items():
         assert torch.equal(target[key].view(torch.uint8), value.view(torch.uint8)), key
     assert not [t for t in threading.enumerate() if t.name == "ckptmgr-pack-read"]
-
-
-def test_a_large_pack_is_read_ahead_straight_into_its_buffer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A pack of more than a few blocks starts in its file as far past a block boundary as its
-    read-ahead buffer in memory (ckptmgr.block_offset): read directly, its bytes go straight in
-    (all but the partial blocks at its ends), read ahead whole while restore copies tensors out
-    of its first pieces."""
-    skip_without_o_direct(tmp_path)
-    monkeypatch.setattr(direct_read, "DIRECT_READS", True)
-    gen = torch.Generator().manual_seed(5)
-    state = {f"small/{index}": torch.randn(250, generator=gen) for index in range(3000)}
-    target = {key: torch.zeros_like(value) for key, value in state.items()}
-    counts: list[tuple[str, int, int]] = []
-    real_close = direct_read.DirectReader.close
-
-    def noting_close(reader: direct_read.DirectReader) -> None:
-        name = threading.current_thread().name
-        counts.append((name, reader.ahead_bytes, reader.copied_bytes))
-        real_close(reader)
-
-    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
-        mgr.save(1, state)
-        pack_bytes = pack_size(mgr._storage.read_record(1).tensor_table)
-        assert pack_bytes == 3000 * 1000
-        drop_from_page_cache(tmp_path)
-        monkeypatch.setattr(direct_read.DirectReader, "close", noting_close)
-        mgr.restore(1, target)
-    for key, value in state.items():
-        assert torch.equal(target[key], value), key
-    ((name, ahead, copied),) = counts
-    assert name == "ckptmgr-pack-read"
-    assert ahead >= pack_bytes - 2 * DIRECT_ALIGN
-    assert copied <= 2 * DIRECT_ALIGN
 
 
 def test_a_pack_in_one_file_with_large_tensors_is_not_read_ahead(

@@ -18,9 +18,7 @@ import pytest
 import torch
 from conftest import in_forked_child
 
-import ckptmgr.block_offset
 from ckptmgr import CheckpointManager, staging
-from ckptmgr.direct_io import DIRECT_ALIGN
 from ckptmgr.errors import CheckpointError
 from ckptmgr.packing import PACK_KEY, PackedTensor, PackFilter, any_name, pack_layout
 from ckptmgr.staging import (
@@ -254,16 +252,11 @@ def test_packed_staging_puts_small_plain_tensors_back_to_back() -> None:
     _assert_exact(unpacked, state)
 
 
-@pytest.mark.parametrize("block_offset", [None, 0, 1088], ids=["measured", "0", "1088"])
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared-memory"])
-def test_large_regions_and_the_pack_start_where_their_file_offsets_do(
-    shared: bool, block_offset: int | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_large_regions_start_on_a_page_boundary_after_a_pack(shared: bool) -> None:
     # A data file written directly takes a tensor's bytes from where they lie only when they
-    # are as far past a block boundary as in the file (ckptmgr.direct_write), where large
-    # tensors and the pack start as far past one as torch's large tensors (block_offset):
-    # large regions and the pack start so, even after a pack (or another region) whose size is
-    # not a multiple of a page.
+    # start on a block boundary (ckptmgr.direct_write): large regions are page-aligned, even
+    # after a pack (or another region) whose size is not a multiple of a page.
     if shared and not os.path.isdir(SHARED_MEMORY_DIR):
         pytest.skip("no shared memory directory")
     generator = torch.Generator().manual_seed(3)
@@ -276,14 +269,11 @@ def test_large_regions_and_the_pack_start_where_their_file_offsets_do(
         "view/b": base[30_000:],
         "tiny_after": torch.randn(3, generator=generator),
     }
-    if block_offset is not None:  # (as with another allocator)
-        monkeypatch.setattr(ckptmgr.block_offset, "large_tensor_block_offset", lambda: block_offset)
     buffers = StagingBuffers(shared=shared)
     staged = buffers.stage(state, pack=any_name)
     assert "small" in buffers.packed and "tiny_after" in buffers.packed
-    offset = ckptmgr.block_offset.large_tensor_block_offset()
-    for key in ("odd", "big", "view/a", PACK_KEY):
-        assert staged[key].data_ptr() % DIRECT_ALIGN == offset, key
+    for key in ("odd", "big", "view/a"):
+        assert staged[key].data_ptr() % 4096 == 0, key
     _assert_exact(_unpacked(staged, buffers.packed), state)
 
 

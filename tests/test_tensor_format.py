@@ -1,8 +1,7 @@
 """The on-disk tensor encoding (format_version 2 and 3): raw tensor bytes in DCP's data files.
 
 Pins what the format changes promise: new commits say ``format_version`` 3; the ``*.distcp``
-files of a step hold exactly the tensors' bytes and nothing else (no torch.save zip per tensor)
-but less than a block of zeros before each large tensor;
+files of a step hold exactly the tensors' bytes and nothing else (no torch.save zip per tensor);
 the commit record still lists every logical key with its dtype and shape when small tensors are
 packed together (in one column-wise ``tensor_table`` since format 3); round trips are bit-exact
 for every dtype, shape and layout; a destination that does not match the checkpoint is refused;
@@ -29,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import data_file_layout, in_forked_child, packed_names, tensor_rows
+from conftest import in_forked_child, packed_names, tensor_rows
 from torch import nn
 
 from ckptmgr import (
@@ -37,10 +36,8 @@ from ckptmgr import (
     CheckpointManager,
     CommitRecord,
     CorruptCheckpointError,
-    block_offset,
     tensor_bytes,
 )
-from ckptmgr.direct_io import DIRECT_ALIGN
 from ckptmgr.record import TensorEntry, TensorTable, record_bytes
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -272,19 +269,15 @@ def saved_step(
     return SavedStep(root, 7, state_name, snapshot(logical_tensors(state)))
 
 
-def test_data_files_hold_the_raw_tensor_bytes_and_only_zeros_before_large_ones(
-    saved_step: SavedStep,
-) -> None:
-    """The items of the ``*.distcp`` files add up to the sum of the tensors' ``numel *
-    element_size``; every other byte is a zero of the padding before an item of more than
-    ``SMALL_TENSOR_BYTES`` (less than a block, which then starts as far past a block boundary
-    as torch's large tensors in memory)."""
+def test_data_files_hold_exactly_the_raw_tensor_bytes(saved_step: SavedStep) -> None:
+    """The ``*.distcp`` files add up to the sum of the tensors' ``numel * element_size``."""
     files = distcp_files(saved_step.root, saved_step.step)
-    items, padding = data_file_layout(step_dir(saved_step.root, saved_step.step))
-    raw = sum(t.numel() * t.element_size() for t in saved_step.tensors.values())
-    assert items == raw
     on_disk = sum(path.stat().st_size for path in files)
-    assert on_disk == raw + padding
+    raw = sum(t.numel() * t.element_size() for t in saved_step.tensors.values())
+    assert on_disk == raw, (
+        f"{len(files)} data files hold {on_disk} bytes; the tensors are {raw} bytes "
+        f"({on_disk - raw:+d})"
+    )
 
 
 def test_record_lists_every_logical_key_with_dtype_and_shape(saved_step: SavedStep) -> None:
@@ -769,7 +762,6 @@ def test_tensors_written_in_runs_land_as_each_written_on_its_own(
     a run (a big one, a lazy view, one without memory, a strided one, none at all) and where a
     run is cut for its size."""
     monkeypatch.setattr(tensor_bytes, "RUN_BYTES", run_bytes)
-    monkeypatch.setattr(block_offset, "large_tensor_block_offset", lambda: 64)
     gen = torch.Generator().manual_seed(7)
     parameter = nn.Parameter(random_tensor(torch.float32, (3, 5), gen))
     complex_values = random_tensor(torch.complex64, (6,), gen)
@@ -797,7 +789,7 @@ def test_tensors_written_in_runs_land_as_each_written_on_its_own(
     ]
     one_by_one, joined = io.BytesIO(), io.BytesIO()
     alone = tensor_bytes.StreamSink(one_by_one)
-    expected = [write_padded(alone, tensor) for tensor in tensors]
+    expected = [tensor_bytes.write_tensor(alone, tensor) for tensor in tensors]
     writes: list[int] = []
 
     class CountingSink(tensor_bytes.StreamSink):
@@ -809,60 +801,7 @@ def test_tensors_written_in_runs_land_as_each_written_on_its_own(
     assert spans == expected
     assert joined.getvalue() == one_by_one.getvalue()
     if run_bytes > 100_000:  # one write per run (0-5, 9-10, 18-19) and per other tensor
-        # (and the zeros before the tensor above SMALL_TENSOR_BYTES, to 64 past a block)
-        assert writes == [583, 2400, 48, 98, 80, 5, 946, 80_000, 34, 24, 11, 48, 1256], writes
-
-
-def write_padded(sink: tensor_bytes.StreamSink, tensor: torch.Tensor) -> tuple[int, int]:
-    """``write_tensor`` after the zeros ``write_tensors`` puts before a tensor of more than
-    ``SMALL_TENSOR_BYTES``."""
-    if tensor.numel() * tensor.element_size() > tensor_bytes.SMALL_TENSOR_BYTES:
-        sink.write_piece(memoryview(bytes(block_offset.padding_before(sink.tell()))), None)
-    return tensor_bytes.write_tensor(sink, tensor)
-
-
-@pytest.mark.parametrize("offset", [64, 0, 1088])
-def test_large_tensors_start_as_far_past_a_block_boundary_as_in_memory(
-    offset: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every tensor of more than ``SMALL_TENSOR_BYTES`` starts ``large_tensor_block_offset()``
-    past a block boundary of the file, after less than a block of zeros (none between tensors
-    of whole blocks, none before small tensors); the tensors' bytes are where the spans say."""
-    monkeypatch.setattr(block_offset, "large_tensor_block_offset", lambda: offset)
-    gen = torch.Generator().manual_seed(9)
-    tensors = [
-        random_tensor(torch.float32, (250,), gen),  # small
-        random_tensor(torch.float32, (64, 1024), gen),  # 256 KiB: whole blocks
-        random_tensor(torch.bfloat16, (128, 1024), gen),  # 256 KiB: whole blocks
-        random_tensor(torch.float32, (70_003,), gen),  # 280,012 bytes
-        random_tensor(torch.int8, (5,), gen),  # small
-        random_tensor(torch.float64, (3, 4), gen).t(),  # small, strided
-        random_tensor(torch.float32, (16_385,), gen),  # 65,540 bytes: just above small
-        random_tensor(torch.uint8, (0, 4), gen),  # no bytes
-    ]
-    stream = io.BytesIO()
-    spans = tensor_bytes.write_tensors(tensor_bytes.StreamSink(stream), tensors)
-    data = stream.getvalue()
-    large = [False, True, True, True, False, False, True, False]
-    gaps: list[int] = []
-    end = 0
-    for tensor, (start, length), is_large in zip(tensors, spans, large, strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
-        assert length == nbytes
-        assert data[start : start + length] == bytes(bits(tensor.contiguous()).numpy())
-        assert (nbytes > tensor_bytes.SMALL_TENSOR_BYTES) == is_large
-        if is_large:
-            assert start % DIRECT_ALIGN == offset
-        else:
-            assert start == end, "no zeros before a small tensor"
-        gaps.append(start - end)
-        assert data[end:start] == bytes(start - end)
-        assert 0 <= start - end < DIRECT_ALIGN
-        end = start + length
-    assert end == len(data)
-    assert gaps[2] == 0, "no zeros between tensors of whole blocks"
-    if offset == 0:
-        assert gaps[1] == (-1000) % DIRECT_ALIGN  # after the 1000 bytes of the first
+        assert writes == [583, 2400, 48, 98, 80, 5, 80_000, 34, 24, 11, 48, 1256], writes
 
 
 def test_a_run_of_a_dtype_torch_cannot_concatenate_is_joined_as_bytes(
