@@ -12,7 +12,8 @@ ckptmgr needs the metadata on the coordinator only: every save is followed by th
 collectives (each rank's error, then the commit's outcome), from which every rank learns
 whether the step committed. :func:`save_over_group` runs DCP's steps with DCP's planner and
 storage writer (their public protocol: the same calls, in the same order, as DCP's own save) and
-stops after the coordinator's ``finish``.
+stops after the coordinator's ``finish``. A rank's write results that are the same as at its
+last save are not sent again (:mod:`ckptmgr.kept_results`).
 
 Failures are DCP's too: an error of any rank while planning fails the save on every rank, with
 DCP's ``CheckpointException`` (each failing rank's exception and traceback), before anything is
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from ckptmgr.kept_results import KeptResults
 from ckptmgr.step_collectives import FailedStep, exchange_plans, failures_of, gather_on, run_step
 
 
@@ -40,10 +42,13 @@ def save_over_group(
     storage_writer: StorageWriter,
     planner: SavePlanner,
     group: dist.ProcessGroup,
+    kept: KeptResults | None = None,
 ) -> Metadata | None:
     """Save ``state_dict`` with DCP's ``planner`` and ``storage_writer`` over ``group`` (rank 0
     of the group coordinates); returns the finished metadata on the coordinator, None on the
-    other ranks. Raises DCP's ``CheckpointException`` (see the module's description)."""
+    other ranks. Raises DCP's ``CheckpointException`` (see the module's description).
+    ``kept``: the write results of this rank's last save (and, on the coordinator, of every
+    rank's), so that results unchanged since are not sent again (:mod:`ckptmgr.kept_results`)."""
     rank = dist.get_rank(group)
     world_size = dist.get_world_size(group)
     coordinator = dist.get_global_rank(group, 0)
@@ -76,7 +81,10 @@ def save_over_group(
         return writes.value()
 
     written = run_step(write)
-    results = gather_on(written, group, coordinator, is_coordinator, world_size)
+    sent = written if kept is None else kept.outgoing(written)
+    results = gather_on(sent, group, coordinator, is_coordinator, world_size)
+    if results is not None and kept is not None:
+        results = kept.incoming(results)
     if not is_coordinator:
         if isinstance(written, FailedStep):
             raise CheckpointException("write", {rank: written.wrapped})

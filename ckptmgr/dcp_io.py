@@ -67,6 +67,7 @@ from ckptmgr.integrity import (
     crc32,
     crc32_of_stream,
 )
+from ckptmgr.kept_results import KeptResults
 from ckptmgr.load_chunks import chunk_stand_ins
 from ckptmgr.metadata_file import MetadataFile
 from ckptmgr.retry import Retrier, RetryConfig
@@ -1024,17 +1025,20 @@ def save_tensors(
     writer: Any,
     group: dist.ProcessGroup | None,
     planner: SavePlanner | None = None,
+    kept_results: KeptResults | None = None,
 ) -> dcp_metadata.Metadata | None:
     """Write ``tensors`` with DCP; collective over ``group`` when distributed
     (:mod:`ckptmgr.collective_save`: the metadata is returned on the group's rank 0 only, None
     elsewhere); ``planner``: DCP's default planner when None (see :mod:`ckptmgr.save_plans` for
-    one that keeps its plans). A
+    one that keeps its plans; ``kept_results``, the write results kept between saves over the
+    group, :mod:`ckptmgr.kept_results`). A
     tensor of a kind that cannot be stored (see :func:`tensor_bytes.check_storable`) that DCP
     fails on before writing it (a nested tensor, in planning) raises ``CheckpointError`` naming
     it."""
     try:
         if group is not None:
-            return save_over_group(tensors, writer, planner or DefaultSavePlanner(), group)
+            planner = planner or DefaultSavePlanner()
+            return save_over_group(tensors, writer, planner, group, kept_results)
         if _SAVE_WITHOUT_STATEFUL_PASS is None:
             return dcp.save(tensors, storage_writer=writer, process_group=group, planner=planner)
         return _SAVE_WITHOUT_STATEFUL_PASS(

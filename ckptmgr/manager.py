@@ -707,7 +707,11 @@ class CheckpointManager:
                 )
             else:
                 dcp_metadata = dcp_io.save_tensors(
-                    tensors, writer, group if comm.distributed else None, self._save_plans.planner()
+                    tensors,
+                    writer,
+                    group if comm.distributed else None,
+                    self._save_plans.planner(),
+                    self._save_plans.kept_results,
                 )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             local_error = local_error or _unwrap_dcp_error(exc)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
+from ckptmgr.kept_results import KeptResults
 from ckptmgr.metadata_file import MetadataFile
 from ckptmgr.stand_in_planning import plan_with_stand_ins
 from ckptmgr.state_lookup import find_item_tensor
@@ -79,6 +80,8 @@ class SavePlanCache:
         """The write items of the manager's DTensors (:mod:`ckptmgr.write_items`)."""
         self.metadata_file = MetadataFile()
         """The last save's ``.metadata``, pickled field by field (:mod:`ckptmgr.metadata_file`)."""
+        self.kept_results = KeptResults()
+        """The write results of the last save over a group (:mod:`ckptmgr.kept_results`)."""
 
     def planner(self) -> SavePlanner:
         """A planner for the next save that reuses this cache's plans (where this torch cannot,
@@ -95,9 +98,11 @@ class SavePlanCache:
 
     def forget(self) -> None:
         """Drop every plan kept under this cache's key, the DTensors' kept items and the pickled
-        ``.metadata`` (the next save plans and pickles from scratch)."""
+        ``.metadata`` and the write results kept (the next save plans, pickles and sends
+        them from scratch)."""
         self.write_items.forget()
         self.metadata_file.forget()
+        self.kept_results.forget()
         for name in _CACHES:
             kept = getattr(SavePlanner, name, None)
             if isinstance(kept, dict):

@@ -728,6 +728,8 @@ def scenario_plans(rank: int, ckpt_dir: str) -> dict[str, Any]:
                     "holds_plans": manager._save_plans.holds_plans(),
                     "holds_items": manager._save_plans.write_items.holds_items(),
                     "metadata_reused": manager._save_plans.metadata_file.reused,
+                    "results_unchanged_sent": manager._save_plans.kept_results.unchanged_sent,
+                    "results_reused": manager._save_plans.kept_results.reused,
                 }
             )
         record["steps"] = manager.all_steps()

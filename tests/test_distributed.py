@@ -426,8 +426,9 @@ def test_a_save_that_fails_on_one_rank_fails_on_both_and_they_stay_in_step(
 def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
     dirs: dict[str, Path],
 ) -> None:
-    """DCP's plans, the DTensors' write items and the pickled ``.metadata`` kept between saves
-    (ckptmgr.save_plans, ckptmgr.write_items, ckptmgr.metadata_file): a rank whose plan is
+    """DCP's plans, the DTensors' write items, the pickled ``.metadata`` and the write results
+    kept between saves (ckptmgr.save_plans, ckptmgr.write_items, ckptmgr.metadata_file,
+    ckptmgr.kept_results): a rank whose plan is
     unchanged sends none, a rank whose plan changed
     alone sends its own, a DTensor resharded (Shard(0) to Replicate and back) is planned anew, a
     write failing on rank 1 fails the save on both and both drop what they kept; every
@@ -442,6 +443,16 @@ def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
     reused = [save["metadata_reused"] for save in records[0]["saves"]]
     assert reused == [0, 3, 0, 3, 0, 0, 0, 0, 0, 3, 0], reused
     assert {save["metadata_reused"] for save in records[1]["saves"]} == {0}
+    # a rank whose write results are those it last sent sends only its checksum report
+    # (ckptmgr.kept_results): rank 0's own items stay in place when rank 1's change (step 3),
+    # a failed save (6) makes both send everything again (7), as a new structure does
+    sent = {
+        rank: [save["results_unchanged_sent"] for save in records[rank]["saves"]] for rank in (0, 1)
+    }
+    assert sent[0] == [0, 1, 2, 3, 3, 4, 4, 4, 4, 5, 5], sent
+    assert sent[1] == [0, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3], sent
+    kept = [save["results_reused"] for save in records[0]["saves"]]
+    assert kept == [0, 2, 1, 2, 0, 1, 0, 0, 0, 2, 0], kept
     for rank, record in records.items():
         where = f"rank {rank}"
         for save, (step, _, fails) in zip(record["saves"], PLANS_SEQUENCE, strict=True):
