@@ -21,6 +21,7 @@ import inspect
 import uuid
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -30,6 +31,11 @@ from ckptmgr.metadata_file import MetadataFile
 from ckptmgr.stand_in_planning import plan_with_stand_ins
 from ckptmgr.state_lookup import find_item_tensor
 from ckptmgr.write_items import DTensorWriteItems
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = None  # type: ignore[assignment,misc]
 
 _CACHES = (
     "_cached_save_plan",
@@ -48,12 +54,30 @@ PLAN_CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner).pa
 
 class _SavePlanner(DefaultSavePlanner):
     """DCP's default save planner that finds a DTensor's local tensor directly
-    (:mod:`ckptmgr.state_lookup`) and plans with the DTensors' items kept in ``write_items``
-    (:mod:`ckptmgr.write_items`; None: DCP makes every item)."""
+    (:mod:`ckptmgr.state_lookup`), plans with the DTensors' items kept in ``write_items``
+    (:mod:`ckptmgr.write_items`; None: DCP makes every item), and takes a flat dict of tensors
+    as it is (:meth:`set_up_planner`)."""
 
     def __init__(self, write_items: DTensorWriteItems | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._write_items = write_items
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: Any = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """DCP's set-up; for a flat dict of plain tensors and DTensors (what ckptmgr hands
+        DCP), what DCP's two passes over the state make of it, without them: the same dict
+        and a mapping of each key to itself (they walked every value, 2 ranks of 5,000
+        DTensors: about 15% of a save)."""
+        if not (self.flatten_state_dict and self.flatten_sharded_tensors) or not _flat(state_dict):
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        self.mappings = {key: (key,) for key in state_dict}
+        self.state_dict = dict(state_dict)
+        self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
         kept = self._write_items
@@ -66,6 +90,19 @@ class _SavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return find_item_tensor(self.state_dict, index)
+
+
+def _flat(state_dict: dict[str, Any]) -> bool:
+    """True where every key of ``state_dict`` is a string and every value a plain tensor, a
+    parameter or a DTensor: what DCP's flattening passes leave as it is."""
+    return all(
+        type(key) is str and (type(value) in _PLAIN or isinstance(value, _DTENSOR))
+        for key, value in state_dict.items()
+    )
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_DTENSOR: tuple[type, ...] = (DTensor,) if DTensor is not None else ()
 
 
 class SavePlanCache:

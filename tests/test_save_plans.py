@@ -175,3 +175,43 @@ def test_forget_drops_only_its_own_plans() -> None:
         mine.forget()
         other.forget()
     assert not other.holds_plans()
+
+
+def test_a_flat_dict_of_tensors_is_set_up_as_dcps_passes_would_without_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ckptmgr hands DCP a flat dict of tensors: its planner takes it as DCP's two passes over
+    the state would leave it (the same items, each key mapped to itself), without making them;
+    anything else (a nested value, a value that is not a tensor) goes through DCP's passes."""
+    from torch import nn
+    from torch.distributed.checkpoint import default_planner
+
+    passes: list[str] = []
+    real_flatten = default_planner.flatten_state_dict
+
+    def counted_flatten(state_dict: Any) -> Any:
+        passes.append("flatten")
+        return real_flatten(state_dict)
+
+    monkeypatch.setattr(default_planner, "flatten_state_dict", counted_flatten)
+    flat = {
+        "model.layers.0.weight": torch.randn(3, 4),
+        "p": nn.Parameter(torch.randn(2)),
+        "steps": torch.arange(4),
+    }
+    for state, fast in [
+        (flat, True),
+        ({**flat, "nested": {"x": torch.zeros(2)}}, False),
+        ({**flat, "count": 3}, False),
+        ({**flat, 7: torch.zeros(1)}, False),
+    ]:
+        ours = save_plans._SavePlanner()
+        passes.clear()
+        ours.set_up_planner(state, None, True)
+        assert passes == ([] if fast else ["flatten"])
+        dcps = default_planner.DefaultSavePlanner()
+        dcps.set_up_planner(state, None, True)
+        assert ours.mappings == dcps.mappings
+        assert list(ours.state_dict) == list(dcps.state_dict)
+        assert all(ours.state_dict[key] is dcps.state_dict[key] for key in dcps.state_dict)
+        assert ours.state_dict is not state and ours.is_coordinator

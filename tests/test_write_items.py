@@ -91,14 +91,23 @@ SEQUENCE = [(1, "base", "save"), (2, "base", "save"), (3, "reshaped", "async"),
             (7, "base", "async")]
 seen = {"made": [], "restored": [], "same_metadata": [], "reused": []}
 metadata = {}
-from ckptmgr import dcp_io
+from ckptmgr import dcp_io, save_plans
 ckptmgrs_metadata_file = dcp_io._RawTensorWriter._writes_one_metadata_file
+ckptmgrs_flat = save_plans._flat
+seen["flat"] = []
+
+def noted_flat(state_dict):
+    seen["flat"].append(ckptmgrs_flat(state_dict))
+    return seen["flat"][-1]
+
 for WHERE, keep in (("kept", True), ("scratch", False)):
     manager = CheckpointManager(f"{root}/{WHERE}", 1, max_to_keep=20, chkpt_on_preemption=False)
-    # from scratch: DCP makes every item, and its own finish pickles .metadata whole
+    # from scratch: DCP makes every item, flattens the state with its own passes, and its own
+    # finish pickles .metadata whole
     dcp_io._RawTensorWriter._writes_one_metadata_file = (
         ckptmgrs_metadata_file if keep else lambda self: False
     )
+    save_plans._flat = noted_flat if keep else lambda state_dict: False
     with manager:
         if not keep:
             manager._save_plans.write_items.turn_off()
@@ -219,6 +228,9 @@ def test_kept_items_restore_bit_exact_and_write_the_metadata_of_items_made_from_
     # .metadata pickled anew only from storage_meta where DCP's plan was kept (equal to DCP's
     # own .metadata of the scratch saves, above): the second save of each structure
     assert seen["reused"] == [0, 3, 0, 3, 0, 0, 3], seen["reused"]
+    # every save's flat dict of DTensors, parameters and tensors was set up without DCP's
+    # passes over it (its planner_data equal to that of the scratch saves, which made them)
+    assert seen["flat"] == [True] * 7, seen["flat"]
     assert seen["enabled"] and seen["holds_items"]
     assert not seen["holds_items_after_close"]
 
