@@ -95,6 +95,11 @@ except ImportError:  # pragma: no cover - torch without process-based async chec
     _AsyncCheckpointProcess = None  # type: ignore[assignment,misc]
     _ProcessGroupInitInfo = None  # type: ignore[assignment,misc]
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = None  # type: ignore[assignment,misc]
+
 
 if _AsyncCheckpointProcess is not None:
 
@@ -319,6 +324,33 @@ class _ArenaView:
         return (_arena_view, self._args)
 
 
+def _dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
+    """In the daemon, while a request is read: a staged DTensor, rebuilt from its local tensor
+    and its spec (see :class:`_SentDTensor`)."""
+    return DTensor(local, spec, requires_grad=False)
+
+
+class _SentDTensor:
+    """A staged DTensor on its way to the daemon: pickled as its local tensor (an
+    :class:`_ArenaView` when that is a view of an arena) and its spec, rebuilt by
+    :func:`_dtensor`.
+
+    A DTensor is not pickled as it is: torch gives its wrapper the storage offset of its local
+    tensor, and pickles a wrapper whose offset is not 0 as if it had a storage of its own,
+    which it has not (torch 2.13: ``pickle`` raises "invalid python storage";
+    ``ForkingPickler``, whose storage reducer shares the storage's memory, crashes the process
+    with SIGSEGV). Every staged local tensor but the first of a shared arena has such an
+    offset."""
+
+    __slots__ = ("_args",)
+
+    def __init__(self, local: Any, spec: Any) -> None:
+        self._args = (local, spec)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_dtensor, self._args)
+
+
 def available() -> bool:
     """True when this torch has DCP's process-based async checkpointing."""
     return _AsyncCheckpointProcess is not None
@@ -468,24 +500,37 @@ class SaveProcess:
 
     def _by_arena(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """``tensors`` as sent: each view of a staging arena as an :class:`_ArenaView` (the
-        arena's storage only in the first view of an arena the daemon was not yet sent), any
+        arena's storage only in the first view of an arena the daemon was not yet sent), each
+        DTensor as a :class:`_SentDTensor` of its local tensor (sent alike) and its spec, any
         other tensor as it is (pickled by torch: a file descriptor per storage)."""
         arenas = shared_arenas()
         alive = frozenset(token for token, _ in arenas.values())
         self._arenas_sent &= alive  # the daemon drops the others as it reads this request
         sent: dict[str, Any] = {}
         for key, tensor in tensors.items():
-            found = None
-            if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
-                found = arenas.get(tensor.untyped_storage().data_ptr())
-            if found is None or tensor.is_conj() or tensor.is_neg():
-                sent[key] = tensor
-                continue
-            token, storage = found
-            first = token not in self._arenas_sent
-            self._arenas_sent.add(token)  # (a failed send replaces the daemon: see _stop)
-            sent[key] = _ArenaView(tensor, token, storage if first else None, alive)
+            if DTensor is not None and isinstance(tensor, DTensor):
+                local = self._sent_tensor(tensor._local_tensor, arenas, alive)
+                sent[key] = _SentDTensor(local, tensor._spec)
+            else:
+                sent[key] = self._sent_tensor(tensor, arenas, alive)
         return sent
+
+    def _sent_tensor(
+        self,
+        tensor: torch.Tensor,
+        arenas: dict[int, tuple[int, torch.UntypedStorage]],
+        alive: frozenset[int],
+    ) -> Any:
+        """``tensor`` as :meth:`_by_arena` sends it (not a DTensor)."""
+        found = None
+        if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
+            found = arenas.get(tensor.untyped_storage().data_ptr())
+        if found is None or tensor.is_conj() or tensor.is_neg():
+            return tensor
+        token, storage = found
+        first = token not in self._arenas_sent
+        self._arenas_sent.add(token)  # (a failed send replaces the daemon: see _stop)
+        return _ArenaView(tensor, token, storage if first else None, alive)
 
     def reset(self) -> None:
         """Stop the daemon (if any); the next :meth:`save` starts a new one."""

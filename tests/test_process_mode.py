@@ -1427,7 +1427,13 @@ def test_two_ranks_save_async_in_daemons_and_restore_bit_exact(tmp_path: Path) -
             assert restored["differences"] == dict.fromkeys(restored["differences"]), (
                 f"{where}, step {restored['step']}: {restored['differences']}"
             )
-            assert set(restored["differences"]) == {"model", "local", "local_big", "step"}
+            assert set(restored["differences"]) == {
+                "model",
+                "local",
+                "local_big",
+                "sharded",
+                "step",
+            }
     assert records[0]["daemon_pids"][0] != records[1]["daemon_pids"][0]
 
     for step in STEPS:
