@@ -1026,15 +1026,21 @@ def save_tensors(
     group: dist.ProcessGroup | None,
     planner: SavePlanner | None = None,
     kept_results: KeptResults | None = None,
+    *,
+    no_dist: bool | None = None,
 ) -> dcp_metadata.Metadata | None:
     """Write ``tensors`` with DCP; collective over ``group`` when distributed
     (:mod:`ckptmgr.collective_save`: the metadata is returned on the group's rank 0 only, None
     elsewhere); ``planner``: DCP's default planner when None (see :mod:`ckptmgr.save_plans` for
     one that keeps its plans; ``kept_results``, the write results kept between saves over the
-    group, :mod:`ckptmgr.kept_results`). A
+    group, :mod:`ckptmgr.kept_results`). Without a group, ``no_dist`` tells DCP whether to
+    save without collectives (None: when torch.distributed is not initialised; a torch whose
+    ``_save_state_dict`` lacks the argument decides for itself). A
     tensor of a kind that cannot be stored (see :func:`tensor_bytes.check_storable`) that DCP
     fails on before writing it (a nested tensor, in planning) raises ``CheckpointError`` naming
     it."""
+    if no_dist is None:
+        no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         if group is not None:
             planner = planner or DefaultSavePlanner()
@@ -1045,7 +1051,7 @@ def save_tensors(
             state_dict=tensors,
             storage_writer=writer,
             process_group=group,
-            no_dist=not (dist.is_available() and dist.is_initialized()),
+            no_dist=no_dist,
             planner=planner,
         )
     except (KeyboardInterrupt, SystemExit):

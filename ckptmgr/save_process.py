@@ -104,7 +104,8 @@ except ImportError:  # pragma: no cover - torch without DTensor
 if _AsyncCheckpointProcess is not None:
 
     class _CheckpointProcess(_AsyncCheckpointProcess):  # type: ignore[misc,valid-type]
-        """DCP's checkpoint daemon, with five changes made inside the daemon: it runs
+        """DCP's checkpoint daemon, with six changes made inside the daemon: it saves each
+        request as thread mode's writer thread does (:mod:`ckptmgr.daemon_save`), it runs
         :func:`ckptmgr.niceness.background_niceness` of the training process (``ckptmgr_niceness``
         on the init info: below the training loop), it ignores
         :data:`DAEMON_IGNORED_SIGNALS`, its logging stays
@@ -135,6 +136,9 @@ if _AsyncCheckpointProcess is not None:
                 _async_process_executor.dist.init_process_group = functools.partial(  # type: ignore[attr-defined]
                     dist.init_process_group, timeout=datetime.timedelta(seconds=timeout_s)
                 )
+            from ckptmgr.daemon_save import save_in_daemon
+
+            _AsyncCheckpointProcess._execute_save = staticmethod(save_in_daemon)  # type: ignore[method-assign]
             _AsyncCheckpointProcess._checkpointing_subprocess(
                 pg_init_info, _CallServingConnection(parent_conn)
             )

@@ -1280,13 +1280,17 @@ def test_a_write_the_daemon_failed_leaves_it_serving_the_next_save(ckpt_dir: Pat
     """A write that fails in the daemon (its file size limit lowered with ``prlimit``: the
     kernel refuses the data file with EFBIG) fails the save, commits nothing, and the daemon,
     which answered the failure, serves the next save once the limit is back: the same process,
-    the step bit-exact."""
+    the step bit-exact. The daemon keeps DCP's plans from save to save, and drops them when a
+    save fails (as thread mode's writer does)."""
     import resource
+
+    from ckptmgr.daemon_save import holds_plans
 
     states = {step: {"tensors": tensor_state(90 + step, "base")} for step in (1, 2, 3)}
     with process_manager(ckpt_dir) as mgr:
         assert mgr.save_async(1, states[1])
         mgr.join()
+        assert save_process_of(mgr).run_when_idle(holds_plans) is True
         daemon = daemon_of(mgr)
         soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_FSIZE)
         resource.prlimit(daemon.pid, resource.RLIMIT_FSIZE, (4096, hard))
@@ -1299,9 +1303,11 @@ def test_a_write_the_daemon_failed_leaves_it_serving_the_next_save(ckpt_dir: Pat
         assert mgr.all_steps() == [1]
         assert not step_dir(ckpt_dir, 2).exists()
         assert daemon.is_alive() and save_process_of(mgr).healthy
+        assert save_process_of(mgr).run_when_idle(holds_plans) is False
         assert mgr.save_async(3, states[3])
         mgr.join()
         assert daemon_of(mgr).pid == daemon.pid
+        assert save_process_of(mgr).run_when_idle(holds_plans) is True
         assert mgr.all_steps() == [1, 3]
         target = zeros_like_state(states[3])
         mgr.restore(3, target)
