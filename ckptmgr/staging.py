@@ -33,12 +33,14 @@ from __future__ import annotations
 import itertools
 import logging
 import mmap
+import operator
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -285,6 +287,12 @@ class StagingBuffers:
         self._cat_runs: list[tuple[list[str], torch.Tensor]] = []  # (keys, pack region) per run
         self._gathers: list[tuple[list[str], torch.Tensor]] = []  # the same, of a CUDA stretch
         self._out: dict[str, torch.Tensor] = {}  # what stage() returns (before DTensor rewrap)
+        # A state with DTensors: per DTensor key, the spec and local tensor's shape, dtype and
+        # device of the DTensor last staged under it; and what stage() returned then (the
+        # staged DTensors made once per layout and specs, then handed out by every save that
+        # _same_dtensors finds alike)
+        self._dtensor_specs: dict[str, tuple[Any, Any]] = {}
+        self._dtensor_out: dict[str, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
@@ -312,6 +320,8 @@ class StagingBuffers:
         self._cat_runs = []
         self._gathers = []
         self._out = {}
+        self._dtensor_specs = {}
+        self._dtensor_out = {}
         self._pack_view = torch.empty(0, dtype=torch.uint8)  # a view keeps the arena mapped
 
     @property
@@ -351,20 +361,27 @@ class StagingBuffers:
         """
         if self._arena is not None and self._arena.inherited:
             self.free()  # a forked child: the parent's arena is not mapped or not its own
-        try:
-            quick = _quick_signature(tensors, pack)
-        except Exception:  # (a nested tensor has no shape: say so rather than torch's error)
-            check_all_storable(tensors)
-            raise
         layout = self._layout
-        if (
-            layout is not None
-            and layout.plain
-            and layout.quick == quick
-            and _views_still_share(layout, tensors)
-        ):
-            sources = tensors  # plain tensors laid out as before: copied as they are
-        else:
+        sources: Mapping[str, torch.Tensor] | None = None
+        same_dtensors = False  # DTensors staged as before: the same staged DTensors returned
+        if layout is not None and not layout.plain:
+            sources = self._same_dtensors(layout, tensors, pack)
+            same_dtensors = sources is not None
+        if sources is None:
+            try:
+                quick = _quick_signature(tensors, pack)
+            except Exception:  # (a nested tensor has no shape: say so, not torch's error)
+                check_all_storable(tensors)
+                raise
+            if (
+                layout is not None
+                and layout.plain
+                and layout.quick == quick
+                and _views_still_share(layout, tensors)
+            ):
+                sources = tensors  # plain tensors laid out as before: copied as they are
+        if sources is None:
+            self._dtensor_specs, self._dtensor_out = {}, {}  # (until staged anew below)
             sources = {key: _local(tensor).detach() for key, tensor in tensors.items()}
             signature = (_signature(sources), pack)
             if layout is None or layout.signature != signature:
@@ -382,10 +399,53 @@ class StagingBuffers:
             raise
         if layout.plain:
             return dict(self._out)
-        return {
-            key: buffer if key == PACK_KEY else self._rewrap(tensors[key], buffer)
-            for key, buffer in self._out.items()
-        }
+        if not same_dtensors:
+            self._dtensor_out = {
+                key: buffer if key == PACK_KEY else self._rewrap(tensors[key], buffer)
+                for key, buffer in self._out.items()
+            }
+            self._dtensor_specs = _dtensor_specs(tensors)
+        return dict(self._dtensor_out)
+
+    def _same_dtensors(
+        self, layout: _Layout, tensors: Mapping[str, torch.Tensor], pack: bool
+    ) -> dict[str, torch.Tensor] | None:
+        """The sources to copy for ``tensors`` when they are staged as the last time, in a
+        layout with DTensors: the same keys in the same order and ``pack``; every DTensor
+        (exactly ``DTensor``) with the spec (mesh, placements, global shape, stride and dtype)
+        of the one last staged under its key and a local tensor of the same shape, dtype and
+        device; every other tensor of the type, dtype, shape and device of the quick signature;
+        and views sharing as they did. Then each DTensor's local tensor, every other tensor as
+        it is; None otherwise (for :meth:`stage` to look at the whole state).
+
+        Such a state fits the layout without the full signature (the local tensors, a
+        ``to_local()`` and a ``detach()`` per DTensor, a look at every storage, and a staged
+        DTensor made for each: about 30 µs a DTensor, 0.15 s a save of 5,000 on the training
+        thread). The copy runs without autograd, so the local tensors are copied as they
+        are."""
+        kept = self._dtensor_specs
+        was_pack, keys, kinds = layout.quick
+        if not kept or was_pack != pack or list(tensors) != keys:  # (no kept: DTensor subclass)
+            return None
+        sources: dict[str, torch.Tensor] = {}
+        for (key, tensor), kind in zip(tensors.items(), cast(list, kinds), strict=True):
+            held = kept.get(key)
+            if held is None:
+                if (tensor.__class__, tensor.dtype, tensor.shape, tensor.device) != kind:
+                    return None
+                sources[key] = tensor
+                continue
+            if type(tensor) is not DTensor:
+                return None
+            spec, local_meta = held
+            found = tensor._spec
+            local = tensor._local_tensor
+            if (found is not spec and found != spec) or _LOCAL_META(local) != local_meta:
+                return None
+            sources[key] = local
+        if not _views_still_share(layout, sources):
+            return None
+        return sources
 
     # -- layout ----------------------------------------------------------------------------------
     def _relayout(
@@ -634,6 +694,25 @@ class StagingBuffers:
         if DTensor is not None and isinstance(original, DTensor):
             return DTensor(buffer, original._spec, requires_grad=False)
         return buffer
+
+
+_LOCAL_META = operator.attrgetter("shape", "dtype", "device")
+
+
+def _dtensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
+    """(spec, local tensor's shape, dtype and device) of every value of ``tensors`` that is
+    exactly a ``DTensor``, by key (none when a value is a subclass of DTensor:
+    :meth:`StagingBuffers._same_dtensors` then never matches, and such a state is looked at
+    whole on every save)."""
+    if DTensor is None:
+        return {}
+    specs: dict[str, tuple[Any, Any]] = {}
+    for key, tensor in tensors.items():
+        if type(tensor) is DTensor:
+            specs[key] = (tensor._spec, _LOCAL_META(tensor._local_tensor))
+        elif isinstance(tensor, DTensor):
+            return {}
+    return specs
 
 
 def _resolved_if_lazy(source: torch.Tensor) -> torch.Tensor:

@@ -30,13 +30,21 @@ from ckptmgr.errors import CheckpointError
 from ckptmgr.module_state import TrainingObjects
 from ckptmgr.stateful import PerRank, is_stateful
 
+try:
+    from torch.distributed.tensor import DTensor
+
+    _DTENSOR_TYPES: frozenset[type] = frozenset({DTensor})
+except ImportError:  # pragma: no cover - torch without DTensor
+    _DTENSOR_TYPES = frozenset()
+
 _PRIVATE = re.compile(r"%rank(\d{5,})%/(.*)", re.DOTALL)
 
 
 # Exact types (not subclasses) that the walks below handle without the general checks: a
-# tensor or parameter is a tensor leaf; a plain scalar is neither a module, an optimizer, a
-# ``PerRank`` nor stateful, so it is a plain leaf. Subclasses go through the general path.
-_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+# tensor, parameter or DTensor is a tensor leaf; a plain scalar is neither a module, an
+# optimizer, a ``PerRank`` nor stateful, so it is a plain leaf. Subclasses go through the
+# general path.
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter} | _DTENSOR_TYPES)
 _SCALAR_TYPES = frozenset({type(None), bool, int, float, str, bytes})
 _CONTAINER_TYPES = frozenset({dict, list, tuple})
 

@@ -700,6 +700,101 @@ def test_dtensors_laid_out_like_the_plain_tensors_before_them_stay_dtensors(
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
 
 
+DTENSORS_STAGED_AGAIN = r"""
+import os, socket, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from ckptmgr.staging import StagingBuffers
+
+with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def check(staged, state, where):
+    assert list(staged) == list(state), where
+    for key, value in state.items():
+        got = staged[key]
+        assert type(got) is type(value), (where, key, type(got))
+        if isinstance(value, DTensor):
+            assert got.placements == value.placements, (where, key, got.placements)
+            assert got.shape == value.shape and got.dtype == value.dtype, (where, key)
+            got, value = got.to_local(), value.to_local()
+        assert got.dtype == value.dtype and got.shape == value.shape, (where, key)
+        assert torch.equal(got, value), (where, key)
+
+
+try:
+    mesh = init_device_mesh("cpu", (1,))
+    state = {
+        "w": distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]),
+        "plain": torch.randn(6),
+        "v": distribute_tensor(torch.randn(100), mesh, [Replicate()]),
+    }
+    buffers = StagingBuffers()
+    first = buffers.stage(state)
+    check(first, state, "first save")
+    for save in range(2):  # the same objects, changed in place: the staged DTensors kept
+        with torch.no_grad():
+            state["w"].to_local().add_(1.0)
+            state["v"].to_local().mul_(-1.0)
+            state["plain"].add_(2.0)
+        staged = buffers.stage(state)
+        check(staged, state, f"in place {save}")
+        assert staged["w"] is first["w"] and staged["v"] is first["v"], save
+    # The same global shape, another placement (its local shape the same on one rank)
+    state["w"] = distribute_tensor(torch.randn(8, 4), mesh, [Replicate()])
+    check(buffers.stage(state), state, "placement changed")
+    # Another dtype of the same shape
+    state["v"] = distribute_tensor(torch.randn(100, dtype=torch.float64), mesh, [Replicate()])
+    check(buffers.stage(state), state, "dtype changed")
+    # A plain tensor of another shape beside the DTensors
+    state["plain"] = torch.randn(7)
+    check(buffers.stage(state), state, "plain shape changed")
+    # A plain tensor where a DTensor was, of the same shape, and back
+    dtensor = state["w"]
+    state["w"] = torch.randn(8, 4)
+    check(buffers.stage(state), state, "plain in a DTensor's place")
+    state["w"] = dtensor
+    check(buffers.stage(state), state, "DTensor back")
+    # The keys in another order
+    state = {key: state[key] for key in reversed(list(state))}
+    check(buffers.stage(state), state, "keys reordered")
+    # A DTensor whose local tensor was replaced by one of another shape under the same spec
+    # (not a valid DTensor, but never staged as if it had its old shape: a copy of one item
+    # into the old region would fill it by broadcasting)
+    state["v"]._local_tensor = torch.randn(1, dtype=torch.float64)
+    staged = buffers.stage(state)
+    assert staged["v"].to_local().shape == (1,), staged["v"].to_local().shape
+    assert torch.equal(staged["v"].to_local(), state["v"]._local_tensor)
+    print("ok")
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_dtensors_staged_again_are_copied_into_the_same_staged_dtensors(tmp_path: Path) -> None:
+    """A state of DTensors staged again with the same specs, local shapes and keys reuses the
+    staged DTensors (no full look at the state on the training thread); anything else that
+    changed is staged anew: a placement or dtype under the same global shape, a plain tensor's
+    shape, a plain tensor in a DTensor's place, the keys' order, a local tensor's shape (one
+    gloo rank)."""
+    script = tmp_path / "dtensors_staged_again.py"
+    script.write_text(DTENSORS_STAGED_AGAIN)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
 def test_small_cuda_tensors_are_gathered_by_stretches_of_one_dtype_and_device() -> None:
     """Which packed tensors staging flattens on their GPU and copies to the host in one piece:
     stretches of two or more, back to back, of one dtype, on one CUDA device (only device
