@@ -60,7 +60,7 @@ def save_in_daemon(
     group = None if no_dist else dist.group.WORLD
     try:
         metadata = dcp_io.save_tensors(
-            state_dict,
+            dict(state_dict),  # (the daemon keeps the dict it was sent: see SaveProcess)
             storage_writer,
             group,
             plans.planner(),

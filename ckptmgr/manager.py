@@ -49,6 +49,7 @@ from ckptmgr.save_process import (
     CHECKSUMS_ATTRIBUTE,
     COMMITTED_ATTRIBUTE,
     LISTING_ATTRIBUTE,
+    TENSOR_ENTRIES_ATTRIBUTE,
     SaveProcess,
 )
 from ckptmgr.staging import StagingBuffers, StagingPool
@@ -840,7 +841,9 @@ class CheckpointManager:
             return _SaveOutcome(committed=False, error=described, deleted=[]), None
         try:
             with gc_paused():  # the first save of a layout makes an entry per packed tensor
-                entries = tensor_entries(dcp_metadata)
+                entries = getattr(dcp_metadata, TENSOR_ENTRIES_ATTRIBUTE, None)
+                if entries is None:  # (a daemon's answer carries them: see save_process)
+                    entries = tensor_entries(dcp_metadata)
                 table = self._record_tables.table(entries, request.packed)
             record = CommitRecord(
                 step=request.step,
