@@ -10,9 +10,12 @@ interleaved in ``--rounds`` rounds after a first one (reported apart):
 
 * ``dcp.save`` into a new directory, and ckptmgr ``save`` (sync: its write, on the writer
   thread, is what a background save costs the training process's other threads);
+* ckptmgr ``save_async`` in thread mode and in process mode (``async_mode="process"``): the
+  time it blocks the caller, against a floor of ``torch._foreach_copy_`` of every local shard
+  into buffers allocated before (the copy staging cannot avoid), and the time to ``join()``;
 * ``dcp.load`` and ckptmgr ``restore``, in place, each read checked bit for bit afterwards.
 
-Rank 0 prints the median seconds of each and the ratios of ckptmgr to DCP.
+Rank 0 prints the median seconds of each and the ratios of ckptmgr to DCP and to the floor.
 """
 
 from __future__ import annotations
@@ -71,12 +74,40 @@ def _worker(rank: int, world_size: int, port: int, tensors: int, rounds: int, ro
     }
     targets = {key: distribute_tensor(torch.zeros(256), mesh, [Shard(0)]) for key in state}
     manager = CheckpointManager(f"{root}/ckptmgr", 1, max_to_keep=2, chkpt_on_preemption=False)
+    async_managers = {
+        mode: CheckpointManager(
+            f"{root}/ckptmgr-{mode}",
+            1,
+            max_to_keep=2,
+            chkpt_on_preemption=False,
+            async_mode=mode,
+        )
+        for mode in ("thread", "process")
+    }
+    local_shards = [value.to_local() for value in state.values()]
+    floor_buffers = [torch.empty_like(shard) for shard in local_shards]
     times: dict[str, list[float]] = {
         "dcp.save": [],
         "ckptmgr save": [],
+        "floor: foreach_copy of the local shards": [],
+        "ckptmgr save_async blocking (thread)": [],
+        "ckptmgr save_async to join (thread)": [],
+        "ckptmgr save_async blocking (process)": [],
+        "ckptmgr save_async to join (process)": [],
         "dcp.load": [],
         "ckptmgr restore": [],
     }
+
+    def save_async(mode: str, step: int) -> None:
+        async_manager = async_managers[mode]
+        dist.barrier()
+        started = time.perf_counter()
+        if not async_manager.save_async(step, state):
+            raise AssertionError(f"save_async in {mode} mode took no checkpoint")
+        times[f"ckptmgr save_async blocking ({mode})"].append(time.perf_counter() - started)
+        async_manager.join()
+        dist.barrier()
+        times[f"ckptmgr save_async to join ({mode})"].append(time.perf_counter() - started)
 
     def check() -> None:
         for key, value in state.items():
@@ -88,11 +119,18 @@ def _worker(rank: int, world_size: int, port: int, tensors: int, rounds: int, ro
         dcp_dir = f"{root}/dcp-{step}"
         times["dcp.save"].append(_timed(partial(dcp.save, state, checkpoint_id=dcp_dir)))
         times["ckptmgr save"].append(_timed(partial(manager.save, step, state)))
+        times["floor: foreach_copy of the local shards"].append(
+            _timed(partial(torch._foreach_copy_, floor_buffers, local_shards))
+        )
+        for mode in async_managers:
+            save_async(mode, step)
         times["dcp.load"].append(_timed(partial(dcp.load, targets, checkpoint_id=dcp_dir)))
         check()
         times["ckptmgr restore"].append(_timed(partial(manager.restore, step, targets)))
         check()
     manager.close()
+    for async_manager in async_managers.values():
+        async_manager.close()
     if rank == 0:
         print(
             f"torch {torch.__version__}; {world_size} ranks (gloo, 127.0.0.1); {tensors} DTensors "
@@ -104,11 +142,19 @@ def _worker(rank: int, world_size: int, port: int, tensors: int, rounds: int, ro
         for name, values in times.items():
             medians[name] = statistics.median(values[1:])
             print(f"| {name} | {values[0]:.3f} | {medians[name]:.3f} |")
+        floor = medians["floor: foreach_copy of the local shards"]
         print(
             f"\nckptmgr save / dcp.save: {medians['ckptmgr save'] / medians['dcp.save']:.2f}x; "
             f"ckptmgr restore / dcp.load: "
             f"{medians['ckptmgr restore'] / medians['dcp.load']:.2f}x"
         )
+        for mode in async_managers:
+            blocking = medians[f"ckptmgr save_async blocking ({mode})"]
+            joined = medians[f"ckptmgr save_async to join ({mode})"]
+            print(
+                f"save_async ({mode} mode): blocking / floor {blocking / floor:.2f}x; "
+                f"to join / dcp.save {joined / medians['dcp.save']:.2f}x"
+            )
     dist.destroy_process_group()
 
 
