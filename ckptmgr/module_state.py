@@ -11,6 +11,10 @@ its own ``state_dict()``. It uses DCP's state-dict API instead:
   position in the optimizer, so it can be resharded, and restored into a differently wrapped
   model. This needs the optimizer's module, which is looked up in the same state.
 
+When a state being saved holds a module and its one optimizer (with state), both state dicts
+are made by one ``get_state_dict`` call, the same dicts as the two calls make: each call maps
+every parameter's names anew (:meth:`TrainingObjects.joint_state_dicts`).
+
 Both are restored with ``set_model_state_dict`` / ``set_optimizer_state_dict``. Checkpoints with
 an optimizer keyed by position (from ``optimizer.state_dict()``) are still restored into
 ``Optimizer`` objects, and an optimizer saved before its first step is saved without state and
@@ -29,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -62,11 +67,18 @@ class ModelState:
     """An ``nn.Module`` saved with ``get_model_state_dict`` and restored with
     ``set_model_state_dict``. Its keys are the parameters' fully qualified names."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, joint: TrainingObjects | None = None) -> None:
+        """``joint``: the objects of the state being saved, which make the state dicts of a
+        module and of its one optimizer together (:meth:`TrainingObjects.joint_state_dicts`)."""
         self.module = module
+        self._joint = joint
 
     def state_dict(self) -> dict[str, Any]:
         """The module's state dict; DTensor shards for FSDP2 and tensor-parallel modules."""
+        if self._joint is not None:
+            made = self._joint.joint_state_dicts(self.module)
+            if made is not None:
+                return made[1]
         return get_model_state_dict(self.module, options=_GET_OPTIONS)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -84,9 +96,16 @@ class OptimizerState:
     ckptmgr cannot tell which module of the state an optimizer belongs to.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        joint: TrainingObjects | None = None,
+    ) -> None:
+        """``joint`` as for :class:`ModelState`."""
         self.model = model
         self.optimizer = optimizer
+        self._joint = joint
         self._created: list[torch.Tensor] = []  # whose state restore_template created
 
     def state_dict(self) -> dict[str, Any]:
@@ -96,6 +115,10 @@ class OptimizerState:
         state by taking a step; ckptmgr saves the parameter groups and an empty state instead.
         """
         if self.optimizer.state:
+            if self._joint is not None:
+                made = self._joint.joint_state_dicts(self.model)
+                if made is not None and made[0] is self.optimizer:
+                    return made[2]
             return get_optimizer_state_dict(self.model, self.optimizer, options=_GET_OPTIONS)
         groups = self.optimizer.state_dict()["param_groups"]
         names = self._names()
@@ -226,28 +249,74 @@ class TrainingObjects:
     holding all of them are ambiguous.
     """
 
-    def __init__(self, state: Mapping[str, Any]) -> None:
+    def __init__(self, state: Mapping[str, Any], *, saving: bool = False) -> None:
+        """``saving``: the state is being saved, and a module and its one optimizer have their
+        state dicts made together (:meth:`joint_state_dicts`)."""
         self._state = state
+        self._saving = saving
         self._param_ids: dict[int, set[int]] = {}
+        self._joint: dict[int, tuple[torch.optim.Optimizer, dict, dict] | None] = {}
 
     @functools.cached_property
     def _modules(self) -> dict[int, tuple[str, nn.Module]]:
         """id -> (path, module) of every module in the state, found when an optimizer first
         needs its module (a state without optimizers is never scanned)."""
         modules: dict[int, tuple[str, nn.Module]] = {}
-        found: list[tuple[str, nn.Module]] = []
-        _collect_modules(self._state, "", found)
+        found: list[tuple[str, Any]] = []
+        _collect_objects(self._state, "", nn.Module, found)
         for path, module in found:
             modules.setdefault(id(module), (path, module))
         return modules
 
+    @functools.cached_property
+    def _optimizers_by_module(self) -> dict[int, list[torch.optim.Optimizer]]:
+        """id of a module -> the optimizers in the state that belong to it (each once); an
+        optimizer whose module cannot be told is left out (it raises where it is visited)."""
+        found: list[tuple[str, Any]] = []
+        _collect_objects(self._state, "", torch.optim.Optimizer, found)
+        by_module: dict[int, list[torch.optim.Optimizer]] = {}
+        seen: set[int] = set()
+        for _, optimizer in found:
+            if id(optimizer) in seen:
+                continue
+            seen.add(id(optimizer))
+            try:
+                module = self.module_for(optimizer)
+            except CheckpointError:
+                continue
+            by_module.setdefault(id(module), []).append(optimizer)
+        return by_module
+
     def adapt(self, value: Any) -> Any:
         """A ``ModelState``/``OptimizerState`` for a module/optimizer; other values unchanged."""
+        joint = self if self._saving else None
         if isinstance(value, nn.Module):
-            return ModelState(value)
+            return ModelState(value, joint)
         if isinstance(value, torch.optim.Optimizer):
-            return OptimizerState(self.module_for(value), value)
+            return OptimizerState(self.module_for(value), value, joint)
         return value
+
+    def joint_state_dicts(
+        self, module: nn.Module
+    ) -> tuple[torch.optim.Optimizer, dict[str, Any], dict[str, Any]] | None:
+        """(the optimizer, DCP's state dict of ``module``, that of the optimizer), made by one
+        ``get_state_dict`` call once per state saved, where ``module`` has exactly one optimizer
+        in the state and that optimizer has state; None otherwise (each is made on its own).
+
+        ``get_model_state_dict`` and ``get_optimizer_state_dict`` each map every parameter's
+        names anew (DCP's ``_verify_options``): one call for both does it once (FSDP2 over 1,000
+        parameters with AdamW, 2 ranks: 61 ms against 49 + 31 ms a save, on the training
+        thread). The dicts are the same as the two calls make."""
+        key = id(module)
+        if key not in self._joint:
+            optimizers = self._optimizers_by_module.get(key, [])
+            made = None
+            if len(optimizers) == 1 and optimizers[0].state:
+                optimizer = optimizers[0]
+                model_dict, optimizer_dict = get_state_dict(module, optimizer, options=_GET_OPTIONS)
+                made = (optimizer, model_dict, optimizer_dict)
+            self._joint[key] = made
+        return self._joint[key]
 
     def module_for(self, optimizer: torch.optim.Optimizer) -> nn.Module:
         """The module of the state whose parameters include all of ``optimizer``'s."""
@@ -294,17 +363,18 @@ def _is_submodule(inner: nn.Module, outer: nn.Module) -> bool:
     return any(module is inner for module in outer.modules())
 
 
-# Exact types that neither are nor hold a module: the scan skips them (under a key of a type in
-# _SIMPLE_KEYS, whose path part is formatted without running user code).
+# Exact types that neither are nor hold a module or an optimizer: the scan skips them (under a
+# key of a type in _SIMPLE_KEYS, whose path part is formatted without running user code).
 _NO_MODULES = frozenset({torch.Tensor, nn.Parameter, type(None), bool, int, float, str, bytes})
 _SIMPLE_KEYS = frozenset({str, int})
 
 
-def _collect_modules(value: Any, path: str, found: list[tuple[str, nn.Module]]) -> None:
-    """Append ``(path, module)`` for every module in ``value``, depth first in item order.
+def _collect_objects(value: Any, path: str, wanted: type, found: list[tuple[str, Any]]) -> None:
+    """Append ``(path, object)`` for every object of type ``wanted`` (modules, optimizers) in
+    ``value``, depth first in item order.
 
-    Looks through dicts (any ``Mapping``), lists, tuples and ``PerRank``; a module's path joins
-    the keys with ``/`` (unescaped: it only names the module in error messages).
+    Looks through dicts (any ``Mapping``), lists, tuples and ``PerRank``; an object's path joins
+    the keys with ``/`` (unescaped: it only names the object in error messages).
     """
     kind = type(value)
     items: Iterable[tuple[object, Any]]
@@ -312,11 +382,11 @@ def _collect_modules(value: Any, path: str, found: list[tuple[str, nn.Module]]) 
         items = value.items()
     elif kind is list or kind is tuple:
         items = enumerate(value)
-    elif isinstance(value, nn.Module):
+    elif isinstance(value, wanted):
         found.append((path, value))
         return
     elif isinstance(value, PerRank):
-        _collect_modules(value.value, path, found)
+        _collect_objects(value.value, path, wanted, found)
         return
     elif isinstance(value, Mapping):
         items = value.items()
@@ -327,4 +397,4 @@ def _collect_modules(value: Any, path: str, found: list[tuple[str, nn.Module]]) 
     for key, item in items:
         if type(item) in _NO_MODULES and type(key) in _SIMPLE_KEYS:
             continue
-        _collect_modules(item, f"{path}/{key}" if path else str(key), found)
+        _collect_objects(item, f"{path}/{key}" if path else str(key), wanted, found)

@@ -139,7 +139,7 @@ def flatten(state: Mapping[str, Any], rank: int = 0) -> FlatState:
     """
     if not isinstance(state, Mapping):
         raise CheckpointError(f"state_dict must be a dict, got {type(state).__qualname__}")
-    flattener = _Flattener(TrainingObjects(state), rank)
+    flattener = _Flattener(TrainingObjects(state, saving=True), rank)
     if type(state) is dict and flattener.add_tensors(state, "", private=False):
         return flattener.flat
     for key, value in state.items():

@@ -345,6 +345,76 @@ def test_optimizer_of_a_module_in_a_list_is_keyed_by_parameter_name() -> None:
     assert "models/0/0.weight" in flat.tensors
 
 
+def _flattened_one_by_one(state: dict[str, Any]) -> Any:
+    """The state as flatten() makes it, each module's and optimizer's state dict made by its
+    own DCP call (as a restore's walk does)."""
+    flattener = state_module._Flattener(TrainingObjects(state), 0)
+    for key, value in state.items():
+        flattener.visit(value, key, private=False)
+    return flattener.flat
+
+
+def _stepped(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True], ids=["model-first", "optim-first"])
+def test_a_module_and_its_one_optimizer_get_their_state_dicts_from_one_dcp_call(
+    monkeypatch: pytest.MonkeyPatch, optimizer_first: bool
+) -> None:
+    """Saving a module and its one optimizer (with state) makes both state dicts with one
+    ``get_state_dict`` (DCP maps every parameter's names once, not twice); what is flattened
+    is what the two calls one by one make: the same names, the very same tensors, the same
+    plain values. In the other cases each is made on its own: an optimizer without state, two
+    optimizers of one module, an optimizer the user wrapped as ``OptimizerState``."""
+    from ckptmgr import OptimizerState
+    from ckptmgr import module_state as module_state_module
+
+    calls: list[str] = []
+    for name in ("get_state_dict", "get_model_state_dict", "get_optimizer_state_dict"):
+        real = getattr(module_state_module, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module_state_module, name, spy)
+
+    def check(state: dict[str, Any], expected_calls: list[str]) -> None:
+        if optimizer_first:
+            state = dict(reversed(list(state.items())))
+        calls.clear()
+        flat = flatten(state)
+        assert sorted(calls) == sorted(expected_calls), calls
+        reference = _flattened_one_by_one(state)
+        assert list(flat.tensors) == list(reference.tensors)
+        for name, tensor in flat.tensors.items():
+            other = reference.tensors[name]
+            assert tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
+            assert torch.equal(tensor, other), name
+        assert flat.objects == reference.objects
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    check({"model": model, "optim": optimizer}, ["get_model_state_dict"])  # no state yet
+    _stepped(model, optimizer)
+    check({"model": model, "optim": optimizer}, ["get_state_dict"])
+    check(
+        {"model": model, "optim": OptimizerState(model, optimizer)},
+        ["get_model_state_dict", "get_optimizer_state_dict"],
+    )
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+    rest = torch.optim.Adam([*model[1].parameters(), *model[2].parameters()], lr=0.1)
+    _stepped(model, first)
+    _stepped(model, rest)
+    check(
+        {"model": model, "first": first, "rest": rest},
+        ["get_model_state_dict", "get_optimizer_state_dict", "get_optimizer_state_dict"],
+    )
+
+
 def test_ambiguous_optimizer_names_the_module_paths() -> None:
     shared = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(shared.parameters(), lr=0.1)
