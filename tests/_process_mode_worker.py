@@ -106,14 +106,7 @@ def first_difference(actual: Any, expected: Any, where: str) -> str | None:
     if isinstance(expected, PerRank):
         return first_difference(actual.value, expected.value, where)
     if isinstance(expected, nn.Module):
-        got, want = actual.state_dict(), expected.state_dict()
-        if list(got) != list(want):
-            return f"{where}: keys {list(got)} != {list(want)}"
-        for key in want:
-            found = first_difference(got[key], want[key], f"{where}/{key}")
-            if found is not None:
-                return found
-        return None
+        return first_difference(actual.state_dict(), expected.state_dict(), where)
     if isinstance(expected, dict):
         if list(actual) != list(expected):
             return f"{where}: keys {list(actual)} != {list(expected)}"

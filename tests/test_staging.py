@@ -643,7 +643,7 @@ def test_a_zero_byte_arena_for_pinned_staging_is_allowed() -> None:
     assert arena.size == 0 and not arena.pinned
 
 
-PLAIN_THEN_DTENSOR = r"""
+ONE_GLOO_RANK = r"""
 import os, socket, sys
 import torch
 import torch.distributed as dist
@@ -656,6 +656,26 @@ with socket.socket() as probe:
     port = probe.getsockname()[1]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 dist.init_process_group("gloo", rank=0, world_size=1)
+"""
+"""The start of a script run by :func:`_run_on_one_gloo_rank`: a process group of one rank."""
+
+
+def _run_on_one_gloo_rank(tmp_path: Path, name: str, body: str) -> None:
+    """Run ``ONE_GLOO_RANK`` and then ``body`` as a script in a new interpreter; it must print
+    "ok"."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(ONE_GLOO_RANK + body)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
+PLAIN_THEN_DTENSOR = r"""
 try:
     mesh = init_device_mesh("cpu", (1,))
     buffers = StagingBuffers()
@@ -688,31 +708,10 @@ def test_dtensors_laid_out_like_the_plain_tensors_before_them_stay_dtensors(
     are staged as DTensors (one gloo rank). The reused layout kept saying "no DTensor": they
     came back as plain tensors (a sharded tensor stored as a replicated one), and the next save
     raised in the copy."""
-    script = tmp_path / "plain_then_dtensor.py"
-    script.write_text(PLAIN_THEN_DTENSOR)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-    )
-    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+    _run_on_one_gloo_rank(tmp_path, "plain_then_dtensor", PLAIN_THEN_DTENSOR)
 
 
 DTENSORS_STAGED_AGAIN = r"""
-import os, socket, sys
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from ckptmgr.staging import StagingBuffers
-
-with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-dist.init_process_group("gloo", rank=0, world_size=1)
 
 
 def check(staged, state, where):
@@ -783,16 +782,7 @@ def test_dtensors_staged_again_are_copied_into_the_same_staged_dtensors(tmp_path
     changed is staged anew: a placement or dtype under the same global shape, a plain tensor's
     shape, a plain tensor in a DTensor's place, the keys' order, a local tensor's shape (one
     gloo rank)."""
-    script = tmp_path / "dtensors_staged_again.py"
-    script.write_text(DTENSORS_STAGED_AGAIN)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-    )
-    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+    _run_on_one_gloo_rank(tmp_path, "dtensors_staged_again", DTENSORS_STAGED_AGAIN)
 
 
 def test_small_cuda_tensors_are_gathered_by_stretches_of_one_dtype_and_device() -> None:
