@@ -53,6 +53,7 @@ VOCAB, DIM, HEADS, SEQ, LAYERS, BATCH = 33, 16, 2, 8, 2, 4  # 33: rows shard une
 SAVED_STEP = 3  # the 2-rank job's checkpoint
 ONE_RANK_STEP = 4  # the 1-rank job's checkpoint
 CONTINUED_STEPS = (4, 5)
+PROCESS_STEPS = (6, 7)  # saved in process mode by the 2-rank job, after its own steps
 
 
 # -- the model and the state -----------------------------------------------------------------------
@@ -309,6 +310,7 @@ def scenario_save2(rank: int, out_dir: str, ckpt2: str, ckpt_sub: str) -> dict[s
         record["differences"] = differences(fresh, reference)
         record["per_rank"] = per_rank_differences(fresh, rank, SAVED_STEP)
     record["files"] = sorted(os.listdir(Path(ckpt2) / f"step_{SAVED_STEP:012d}"))
+    record["process"] = process_mode_saves(state, mesh, rank, str(Path(ckpt_sub).parent / "proc"))
 
     # A manager restricted to a subgroup (a group object other than the default group).
     subgroup = dist.new_group(ranks=[0, 1], backend="gloo")
@@ -323,6 +325,35 @@ def scenario_save2(rank: int, out_dir: str, ckpt2: str, ckpt_sub: str) -> dict[s
             "local": first_difference(target["local"].value, local_values(1, rank), "local"),
         }
     return record
+
+
+def process_mode_saves(
+    state: dict[str, Any], mesh: DeviceMesh, rank: int, path: str
+) -> list[dict[str, Any]]:
+    """:data:`PROCESS_STEPS` saved with ``save_async`` in process mode (the checkpoint daemons
+    write them), the state trained and changed in place after each call; each restored into a
+    fresh state and compared with the state at its call."""
+    saves: list[dict[str, Any]] = []
+    with _manager(path, async_mode="process") as manager:
+        for step in PROCESS_STEPS:
+            train_step(state["model"], state["optim"], step, rank)
+            ddp_step(state["ddp"], state["ddp_optim"], step)
+            reference = unsharded(state)
+            entry: dict[str, Any] = {"step": step}
+            entry["returned"], entry["error"] = _call(
+                lambda step=step: manager.save_async(step, state)
+            )
+            state["tp"]["w"].to_local().add_(1.0)
+            state["replicated"].add_(1.0)
+            train_step(state["model"], state["optim"], step, rank)  # (its loss not recorded)
+            _, entry["join_error"] = _call(manager.join)
+            fresh = fresh_state(mesh, rank)
+            _, entry["restore_error"] = _call(
+                lambda step=step, fresh=fresh: manager.restore(step, fresh)
+            )
+            entry["differences"] = differences(fresh, reference)
+            saves.append(entry)
+    return saves
 
 
 def scenario_one(rank: int, out_dir: str, ckpt2: str, ckpt1: str) -> dict[str, Any]:

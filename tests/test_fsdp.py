@@ -133,6 +133,21 @@ def test_same_world_size_restore_is_exact_while_training_mutated_the_originals(
         assert_all_equal(record["per_rank"], PER_RANK_PARTS, f"rank {rank}")
 
 
+def test_process_mode_saves_of_the_fsdp2_state_restore_exactly(
+    save2: dict[int, dict[str, Any]],
+) -> None:
+    """The same state saved twice with ``async_mode="process"``: the daemons write the FSDP2
+    and tensor-parallel shards (the second save sends the staged tensors by token), training
+    changes everything in place after each call, and each step restores bit for bit."""
+    for rank, record in save2.items():
+        assert [entry["step"] for entry in record["process"]] == [6, 7], rank
+        for entry in record["process"]:
+            where = f"rank {rank}, step {entry['step']}"
+            assert entry["error"] is None and entry["returned"] is True, where
+            assert entry["join_error"] is None and entry["restore_error"] is None, where
+            assert_all_equal(entry["differences"], REPLICATED_PARTS, where)
+
+
 def test_manager_on_a_subgroup(save2: dict[int, dict[str, Any]], dirs: dict[str, Path]) -> None:
     for rank, record in save2.items():
         assert record["sub_save"] == [True, None], rank
