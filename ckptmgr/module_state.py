@@ -11,9 +11,10 @@ its own ``state_dict()``. It uses DCP's state-dict API instead:
   position in the optimizer, so it can be resharded, and restored into a differently wrapped
   model. This needs the optimizer's module, which is looked up in the same state.
 
-When a state being saved holds a module and its one optimizer (with state), both state dicts
-are made by one ``get_state_dict`` call, the same dicts as the two calls make: each call maps
-every parameter's names anew (:meth:`TrainingObjects.joint_state_dicts`).
+When a state being saved holds a module and its one optimizer (with state, at the state's top
+level), both state dicts are made by one ``get_state_dict`` call, the same dicts as the two
+calls make: each call maps every parameter's names anew
+(:meth:`TrainingObjects.joint_state_dicts`).
 
 Both are restored with ``set_model_state_dict`` / ``set_optimizer_state_dict``. Checkpoints with
 an optimizer keyed by position (from ``optimizer.state_dict()``) are still restored into
@@ -262,22 +263,22 @@ class TrainingObjects:
         """id -> (path, module) of every module in the state, found when an optimizer first
         needs its module (a state without optimizers is never scanned)."""
         modules: dict[int, tuple[str, nn.Module]] = {}
-        found: list[tuple[str, Any]] = []
-        _collect_objects(self._state, "", nn.Module, found)
+        found: list[tuple[str, nn.Module]] = []
+        _collect_modules(self._state, "", found)
         for path, module in found:
             modules.setdefault(id(module), (path, module))
         return modules
 
     @functools.cached_property
     def _optimizers_by_module(self) -> dict[int, list[torch.optim.Optimizer]]:
-        """id of a module -> the optimizers in the state that belong to it (each once); an
-        optimizer whose module cannot be told is left out (it raises where it is visited)."""
-        found: list[tuple[str, Any]] = []
-        _collect_objects(self._state, "", torch.optim.Optimizer, found)
+        """id of a module -> the optimizers at the top level of the state that belong to it
+        (each once; where they usually are: one look per key, no walk through the state's
+        containers on every save); an optimizer whose module cannot be told is left out (it
+        raises where it is visited)."""
         by_module: dict[int, list[torch.optim.Optimizer]] = {}
         seen: set[int] = set()
-        for _, optimizer in found:
-            if id(optimizer) in seen:
+        for optimizer in self._state.values():
+            if not isinstance(optimizer, torch.optim.Optimizer) or id(optimizer) in seen:
                 continue
             seen.add(id(optimizer))
             try:
@@ -301,7 +302,8 @@ class TrainingObjects:
     ) -> tuple[torch.optim.Optimizer, dict[str, Any], dict[str, Any]] | None:
         """(the optimizer, DCP's state dict of ``module``, that of the optimizer), made by one
         ``get_state_dict`` call once per state saved, where ``module`` has exactly one optimizer
-        in the state and that optimizer has state; None otherwise (each is made on its own).
+        at the top level of the state and that optimizer has state; None otherwise (each is
+        made on its own).
 
         ``get_model_state_dict`` and ``get_optimizer_state_dict`` each map every parameter's
         names anew (DCP's ``_verify_options``): one call for both does it once (FSDP2 over 1,000
@@ -363,18 +365,17 @@ def _is_submodule(inner: nn.Module, outer: nn.Module) -> bool:
     return any(module is inner for module in outer.modules())
 
 
-# Exact types that neither are nor hold a module or an optimizer: the scan skips them (under a
-# key of a type in _SIMPLE_KEYS, whose path part is formatted without running user code).
+# Exact types that neither are nor hold a module: the scan skips them (under a key of a type in
+# _SIMPLE_KEYS, whose path part is formatted without running user code).
 _NO_MODULES = frozenset({torch.Tensor, nn.Parameter, type(None), bool, int, float, str, bytes})
 _SIMPLE_KEYS = frozenset({str, int})
 
 
-def _collect_objects(value: Any, path: str, wanted: type, found: list[tuple[str, Any]]) -> None:
-    """Append ``(path, object)`` for every object of type ``wanted`` (modules, optimizers) in
-    ``value``, depth first in item order.
+def _collect_modules(value: Any, path: str, found: list[tuple[str, nn.Module]]) -> None:
+    """Append ``(path, module)`` for every module in ``value``, depth first in item order.
 
-    Looks through dicts (any ``Mapping``), lists, tuples and ``PerRank``; an object's path joins
-    the keys with ``/`` (unescaped: it only names the object in error messages).
+    Looks through dicts (any ``Mapping``), lists, tuples and ``PerRank``; a module's path joins
+    the keys with ``/`` (unescaped: it only names the module in error messages).
     """
     kind = type(value)
     items: Iterable[tuple[object, Any]]
@@ -382,11 +383,11 @@ def _collect_objects(value: Any, path: str, wanted: type, found: list[tuple[str,
         items = value.items()
     elif kind is list or kind is tuple:
         items = enumerate(value)
-    elif isinstance(value, wanted):
+    elif isinstance(value, nn.Module):
         found.append((path, value))
         return
     elif isinstance(value, PerRank):
-        _collect_objects(value.value, path, wanted, found)
+        _collect_modules(value.value, path, found)
         return
     elif isinstance(value, Mapping):
         items = value.items()
@@ -397,4 +398,4 @@ def _collect_objects(value: Any, path: str, wanted: type, found: list[tuple[str,
     for key, item in items:
         if type(item) in _NO_MODULES and type(key) in _SIMPLE_KEYS:
             continue
-        _collect_objects(item, f"{path}/{key}" if path else str(key), wanted, found)
+        _collect_modules(item, f"{path}/{key}" if path else str(key), found)

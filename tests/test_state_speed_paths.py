@@ -367,7 +367,8 @@ def test_a_module_and_its_one_optimizer_get_their_state_dicts_from_one_dcp_call(
     ``get_state_dict`` (DCP maps every parameter's names once, not twice); what is flattened
     is what the two calls one by one make: the same names, the very same tensors, the same
     plain values. In the other cases each is made on its own: an optimizer without state, two
-    optimizers of one module, an optimizer the user wrapped as ``OptimizerState``."""
+    optimizers of one module, an optimizer the user wrapped as ``OptimizerState``, one below the
+    state's top level."""
     from ckptmgr import OptimizerState
     from ckptmgr import module_state as module_state_module
 
@@ -403,6 +404,10 @@ def test_a_module_and_its_one_optimizer_get_their_state_dicts_from_one_dcp_call(
     check({"model": model, "optim": optimizer}, ["get_state_dict"])
     check(
         {"model": model, "optim": OptimizerState(model, optimizer)},
+        ["get_model_state_dict", "get_optimizer_state_dict"],
+    )
+    check(  # (only an optimizer at the state's top level is looked for)
+        {"model": model, "training": {"optim": optimizer}},
         ["get_model_state_dict", "get_optimizer_state_dict"],
     )
     first = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
