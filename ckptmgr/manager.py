@@ -190,6 +190,7 @@ class CheckpointManager:
             self._save_process = SaveProcess(
                 self._comm.background_group if self._comm.distributed else None,
                 config.collective_timeout_s,
+                kept_per_slot=config.max_pending_async,
             )
             self._storage.run_local_file_work = self._save_process.run_when_idle
         self._lock = threading.Lock()

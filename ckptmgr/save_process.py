@@ -278,21 +278,26 @@ class _CallServingConnection:
         return getattr(self._connection, name)
 
 
-_DAEMON_KEPT: dict[str, tuple[int, Any]] = {}
-"""In a daemon: by slot, the value it was last sent for it, and that value's token."""
+_STAGED_TENSORS = "staged tensors"
+"""The :meth:`SaveProcess.kept_in_daemon` slot of the staged tensors of a save request."""
+_DAEMON_KEPT: dict[str, dict[int, Any]] = {}
+"""In a daemon: by slot, the values it keeps for it, by token."""
 _KEPT_TOKENS = itertools.count(1)
 
 
-def _kept_value(slot: str, token: int, sent: bool, value: Any) -> Any:
+def _kept_value(slot: str, token: int, sent: bool, value: Any, kept_tokens: frozenset[int]) -> Any:
     """In the daemon, while a request is read: the value kept in ``slot`` under ``token``
-    (``value`` itself when ``sent``: it replaces what the slot kept before)."""
+    (``value`` itself when ``sent``: kept from now on). The slot's values whose tokens are not
+    in ``kept_tokens`` (those the training process stopped counting on) are dropped first."""
+    kept = _DAEMON_KEPT.setdefault(slot, {})
+    for gone in kept.keys() - kept_tokens:
+        del kept[gone]
     if sent:
-        _DAEMON_KEPT[slot] = (token, value)
+        kept[token] = value
         return value
-    kept = _DAEMON_KEPT.get(slot)
-    if kept is None or kept[0] != token:  # (the training process keeps count: never expected)
+    if token not in kept:  # (the training process keeps count: never expected)
         raise CheckpointError(f"the checkpoint daemon does not keep {slot} {token}")
-    return kept[1]
+    return kept[token]
 
 
 class _KeptInDaemon:
@@ -403,18 +408,24 @@ class _SentDTensor:
 
 
 class _SentState:
-    """The staged tensors of the last save request, as sent (:meth:`SaveProcess._by_arena`),
-    and which tensor objects they were (weakly: a state kept here must not keep staging memory
+    """The staged tensors of a save request, as sent (:meth:`SaveProcess._by_arena`), and
+    which tensor objects they were (weakly: a state kept here must not keep staging memory
     alive)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], state: dict[str, Any], arenas: frozenset[int]
+    ) -> None:
+        """``arenas``: the tokens of the staging arenas that ``state``'s views are views of."""
         self.state = state
+        self.arenas = arenas
         self._keys = list(tensors)
         self._tensors = [weakref.ref(tensor) for tensor in tensors.values()]
         self._storages_dropped = False
 
     def holds(self, tensors: dict[str, torch.Tensor]) -> bool:
         """True when ``tensors`` are the very objects sent, under the same keys in order."""
+        if self._tensors and not _refers_to(self._tensors[0], next(iter(tensors.values()), None)):
+            return False  # (another slot's: told by its first tensor)
         return list(tensors) == self._keys and all(map(_refers_to, self._tensors, tensors.values()))
 
     def sent(self) -> None:
@@ -446,7 +457,15 @@ class SaveProcess:
     daemons are always replaced together.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, timeout_s: float, *, kept_per_slot: int = 1
+    ) -> None:
+        """``kept_per_slot``: how many values the daemon keeps in each slot of
+        :meth:`kept_in_daemon`, the most recently sent ones (the manager's staging slots,
+        ``max_pending_async``: saves take turns between them, each with its own staged tensors
+        and pack layout)."""
+        if kept_per_slot < 1:
+            raise ValueError(f"kept_per_slot must be at least 1, not {kept_per_slot}")
         if not available():
             raise CheckpointError(
                 f"async_mode='process' needs DCP's process-based async checkpointing, which "
@@ -458,8 +477,10 @@ class SaveProcess:
         self._exit_hook: multiprocessing.util.Finalize | None = None  # stops the daemon
         self._failed = False  # the last save failed so that the daemon (and group) is replaced
         self._arenas_sent: set[int] = set()  # tokens of the arenas the daemon keeps
-        self._kept_sent: dict[str, tuple[int, Any]] = {}  # slot -> (token, value) it keeps
-        self._sent_state: _SentState | None = None  # the staged tensors the daemon keeps
+        self._kept_per_slot = kept_per_slot
+        # slot -> (token, value) of each value the daemon keeps, the most recently used last
+        self._kept_sent: dict[str, list[tuple[int, Any]]] = {}
+        self._sent_states: list[_SentState] = []  # the staged tensors the daemon keeps, alike
         self._last_entries: Any = None  # TENSOR_ENTRIES_ATTRIBUTE of the daemon's last answer
         self._lock = threading.Lock()
 
@@ -524,20 +545,31 @@ class SaveProcess:
 
     def kept_in_daemon(self, slot: str, value: Any) -> Any:
         """``value``, to be put in a save request, for the daemon to keep in ``slot``: sent whole
-        to each daemon the first time, and by token while it is the very same object (a new
-        value replaces the slot's). For what stays the same from save to save but is too big
-        to send every time (the pack layout of 20,000 tensors)."""
+        to each daemon the first time, and by token while it is the very same object as one of
+        the slot's ``kept_per_slot`` most recently sent values (a new value replaces the least
+        recently sent). For what stays the same from save to save but is too big to send every
+        time (the pack layout of 20,000 tensors)."""
         return _KeptInDaemon(self, slot, value)
 
-    def _kept_arguments(self, slot: str, value: Any) -> tuple[str, int, bool, Any]:
+    def _kept_arguments(self, slot: str, value: Any) -> tuple[str, int, bool, Any, frozenset[int]]:
         """:func:`_kept_value`'s arguments for ``value`` in ``slot``, as the request that holds
         it is pickled (within :meth:`save`, for the daemon that reads it)."""
-        sent = self._kept_sent.get(slot)
-        if sent is not None and sent[1] is value:
-            return (slot, sent[0], False, None)
-        token = next(_KEPT_TOKENS)
-        self._kept_sent[slot] = (token, value)  # (a failed send replaces the daemon: see _stop)
-        return (slot, token, True, value)
+        kept = self._kept_sent.setdefault(slot, [])
+        found = next((i for i, (_, held) in enumerate(kept) if held is value), None)
+        if found is not None:
+            kept.append(kept.pop(found))
+            sent, token = False, kept[-1][0]
+        else:  # (a failed send replaces the daemon: see _stop)
+            sent, token = True, next(_KEPT_TOKENS)
+            kept.append((token, value))
+            del kept[: -self._kept_per_slot]
+        return (slot, token, sent, value if sent else None, frozenset(t for t, _ in kept))
+
+    def _forget_kept(self, slot: str, value: Any) -> None:
+        """Stop counting on the daemon keeping ``value`` in ``slot``: it drops it as it reads
+        the next request that carries the slot."""
+        kept = self._kept_sent.get(slot, [])
+        kept[:] = [(token, held) for token, held in kept if held is not value]
 
     def run_when_idle(self, function: Callable[..., Any], *args: Any) -> Any:
         """``function(*args)`` (a module-level function), run by the daemon when one is running,
@@ -586,15 +618,30 @@ class SaveProcess:
 
     def _state_to_send(self, tensors: dict[str, torch.Tensor]) -> Any:
         """What a save request carries for ``tensors``: kept by the daemon
-        (:meth:`kept_in_daemon`), so that the very same staged tensor objects as the last save
-        sent (staging hands out the same ones while the state's layout and DTensor specs are
-        unchanged) cost the request only a token; else :meth:`_by_arena`, sent whole. Sent
-        whole, 5,000 DTensors (each with its spec) took the training process's writer thread,
-        holding the GIL, about 0.25 s to pickle and the daemon 0.7 s to rebuild, every save."""
-        held = self._sent_state
-        if held is None or not held.holds(tensors):
-            held = self._sent_state = _SentState(tensors, self._by_arena(tensors))
-        return self.kept_in_daemon("staged tensors", held.state)
+        (:meth:`kept_in_daemon`), so that the very same staged tensor objects as one of the
+        ``kept_per_slot`` last saves sent (a staging slot hands out the same ones while the
+        state's layout and DTensor specs are unchanged) cost the request only a token; else
+        :meth:`_by_arena`, sent whole. Sent whole, 5,000 DTensors (each with its spec) took the
+        training process's writer thread, holding the GIL, about 0.25 s to pickle and the
+        daemon 0.7 s to rebuild, every save; with two staging slots taking turns and one kept,
+        20,000 small tensors and their pack layout went whole every save (a save of them
+        blocked the next one 0.3-0.4 s instead of 0.07 s). What is kept of an arena the
+        training process let go of is dropped, in the daemon too."""
+        alive = {token for token, _ in shared_arenas().values()}
+        for gone in [held for held in self._sent_states if not held.arenas <= alive]:
+            # views of an arena the training process let go of: the daemon must not keep it
+            self._sent_states.remove(gone)
+            self._forget_kept(_STAGED_TENSORS, gone.state)
+        held = next((held for held in self._sent_states if held.holds(tensors)), None)
+        if held is None:
+            held = _SentState(tensors, *self._by_arena(tensors))
+        else:
+            self._sent_states.remove(held)
+        self._sent_states.append(held)  # the most recently sent last, as the kept values
+        for dropped in self._sent_states[: -self._kept_per_slot]:
+            self._forget_kept(_STAGED_TENSORS, dropped.state)
+        del self._sent_states[: -self._kept_per_slot]
+        return self.kept_in_daemon(_STAGED_TENSORS, held.state)
 
     def _with_entries(self, metadata: dcp_metadata.Metadata) -> dcp_metadata.Metadata:
         """``metadata`` as answered, with the tensor entries the daemon said were unchanged
@@ -612,14 +659,15 @@ class SaveProcess:
 
     def _sent_state_kept(self) -> None:
         """The daemon answered the request: it keeps the staged tensors it was sent."""
-        if self._sent_state is not None:
-            self._sent_state.sent()
+        if self._sent_states:
+            self._sent_states[-1].sent()
 
-    def _by_arena(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """``tensors`` as sent: each view of a staging arena as an :class:`_ArenaView` (the
-        arena's storage only in the first view of an arena the daemon was not yet sent), each
-        DTensor as a :class:`_SentDTensor` of its local tensor (sent alike) and its spec, any
-        other tensor as it is (pickled by torch: a file descriptor per storage)."""
+    def _by_arena(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], frozenset[int]]:
+        """``tensors`` as sent, and the tokens of the arenas they are views of: each view of a
+        staging arena as an :class:`_ArenaView` (the arena's storage only in the first view of
+        an arena the daemon was not yet sent), each DTensor as a :class:`_SentDTensor` of its
+        local tensor (sent alike) and its spec, any other tensor as it is (pickled by torch: a
+        file descriptor per storage)."""
         arenas = shared_arenas()
         alive = frozenset(token for token, _ in arenas.values())
         self._arenas_sent &= alive  # the daemon drops the others as it reads this request
@@ -630,7 +678,14 @@ class SaveProcess:
                 sent[key] = _SentDTensor(local, tensor._spec)
             else:
                 sent[key] = self._sent_tensor(tensor, arenas, alive)
-        return sent
+        used = {
+            view._args[0]
+            for value in sent.values()
+            if isinstance(
+                view := value.local if isinstance(value, _SentDTensor) else value, _ArenaView
+            )
+        }
+        return sent, frozenset(used)
 
     def _sent_tensor(
         self,
@@ -664,7 +719,7 @@ class SaveProcess:
         self._failed = False
         self._arenas_sent = set()  # a new daemon keeps none
         self._kept_sent = {}
-        self._sent_state = None
+        self._sent_states = []
         self._last_entries = None
         if hook is not None:
             hook.cancel()

@@ -1147,6 +1147,21 @@ def test_a_take_over_after_a_commit_leaves_the_steps_as_they_are(ckpt_dir: Path)
         ]
 
 
+def _record_what_goes_whole(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[bool]]:
+    """By slot of ``SaveProcess.kept_in_daemon``, whether each request carried the value whole
+    (True) or by token (False), as the requests are pickled."""
+    sent: dict[str, list[bool]] = {}
+    kept_arguments = SaveProcess._kept_arguments
+
+    def spy(self: SaveProcess, slot: str, value: Any) -> Any:
+        arguments = kept_arguments(self, slot, value)
+        sent.setdefault(slot, []).append(arguments[2])
+        return arguments
+
+    monkeypatch.setattr(SaveProcess, "_kept_arguments", spy)
+    return sent
+
+
 def test_the_pack_layout_and_staged_tensors_go_to_the_daemon_once_per_layout_and_daemon(
     ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1158,15 +1173,7 @@ def test_the_pack_layout_and_staged_tensors_go_to_the_daemon_once_per_layout_and
     no arena's storage once the daemon has it."""
     from ckptmgr import save_process
 
-    sent: dict[str, list[bool]] = {}
-    kept_arguments = SaveProcess._kept_arguments
-
-    def spy(self: SaveProcess, slot: str, value: Any) -> tuple[str, int, bool, Any]:
-        arguments = kept_arguments(self, slot, value)
-        sent.setdefault(slot, []).append(arguments[2])
-        return arguments
-
-    monkeypatch.setattr(SaveProcess, "_kept_arguments", spy)
+    sent = _record_what_goes_whole(monkeypatch)
     states = {
         1: {"tensors": tensor_state(70, "base")},
         2: {"tensors": tensor_state(71, "base")},
@@ -1180,8 +1187,7 @@ def test_the_pack_layout_and_staged_tensors_go_to_the_daemon_once_per_layout_and
                 kill_and_reap(daemon_of(mgr))
             assert mgr.save_async(step, state)
             mgr.join()
-            kept = save_process_of(mgr)._sent_state
-            assert kept is not None
+            kept = save_process_of(mgr)._sent_states[-1]
             views = [v for v in kept.state.values() if isinstance(v, save_process._ArenaView)]
             assert views and all(view._args[1] is None for view in views), step
         assert sent == {
@@ -1194,6 +1200,54 @@ def test_the_pack_layout_and_staged_tensors_go_to_the_daemon_once_per_layout_and
             assert differences(target, state) == [], step
             record = read_record(ckpt_dir, step)
             assert len(record.tensor_table.entries) == N_SMALL + (4 if step < 3 else 6)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/<pid>/maps: Linux")
+def test_two_staging_slots_send_their_layout_and_staged_tensors_whole_once_each(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``max_pending_async=2`` saves take turns between two staging slots (made certain
+    here by stopping the daemon so that a save stays in flight while the next one stages). The
+    daemon keeps what each slot sent: the pack layout and the staged tensors go whole in the
+    first save of each slot, by token in the later ones, whichever slot went last. When one
+    slot's layout changes (into a new arena), the daemon drops what it kept of the old arena
+    and maps only the arenas the training process has. Every step restores bit-exact."""
+    sent = _record_what_goes_whole(monkeypatch)
+    states = {step: {"tensors": tensor_state(110 + step, "base")} for step in range(1, 6)}
+    states[6] = {"tensors": tensor_state(116, "changed")}
+    expected = copy.deepcopy(states)
+    with process_manager(ckpt_dir, max_pending_async=2) as mgr:
+
+        def two_in_flight(first: int, second: int) -> None:
+            daemon = daemon_of(mgr)
+            assert daemon.pid is not None
+            os.kill(daemon.pid, signal.SIGSTOP)
+            try:
+                assert mgr.save_async(first, states[first])
+                wait_until_the_writer_waits_for_the_daemon()
+                assert mgr.save_async(second, states[second])  # the other slot
+            finally:
+                os.kill(daemon.pid, signal.SIGCONT)
+            mgr.join()
+
+        assert mgr.save_async(1, states[1])
+        mgr.join()
+        two_in_flight(2, 3)  # slot of step 1, then the other one
+        two_in_flight(4, 5)  # the other one first this time
+        assert sent == {
+            "pack layout": [True, False, True, False, False],
+            "staged tensors": [True, False, True, False, False],
+        }
+        assert mgr.save_async(6, states[6])
+        mgr.join()
+        pid = daemon_of(mgr).pid
+        assert pid is not None
+        in_daemon, here = _shared_memory_maps(pid), _shared_memory_maps(os.getpid())
+        assert len(in_daemon) == 2 and in_daemon <= here, (in_daemon, here)
+        for step, state in expected.items():
+            target = zeros_like_state(state)
+            mgr.restore(step, target)
+            assert differences(target, state) == [], step
 
 
 def test_an_answer_left_to_commit_here_carries_the_tensor_entries_once_per_metadata() -> None:
