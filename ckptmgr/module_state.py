@@ -11,10 +11,13 @@ its own ``state_dict()``. It uses DCP's state-dict API instead:
   position in the optimizer, so it can be resharded, and restored into a differently wrapped
   model. This needs the optimizer's module, which is looked up in the same state.
 
-When a state being saved holds a module and its one optimizer (with state, at the state's top
-level), both state dicts are made by one ``get_state_dict`` call, the same dicts as the two
-calls make: each call maps every parameter's names anew
-(:meth:`TrainingObjects.joint_state_dicts`).
+Where DCP's functions would do no more than rename (no DDP, FSDP version 1, ``torch.compile``
+or activation-checkpoint wrapper in the module tree: a plain or FSDP2 module), the same dicts
+are made directly from the module's and the optimizer's own ``state_dict()``, without DCP's
+walk over every parameter's name on every save (:mod:`ckptmgr.dcp_state_dicts`). When a state
+being saved holds a module and its one optimizer (with state, at the state's top level), both
+state dicts are made by one call, the same dicts as the two calls make: each of DCP's maps
+every parameter's names anew (:meth:`TrainingObjects.joint_state_dicts`).
 
 Both are restored with ``set_model_state_dict`` / ``set_optimizer_state_dict``. Checkpoints with
 an optimizer keyed by position (from ``optimizer.state_dict()``) are still restored into
@@ -32,13 +35,11 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
+from ckptmgr import dcp_state_dicts
 from ckptmgr.errors import CheckpointError
 from ckptmgr.optimizer import create_state
 from ckptmgr.stateful import PerRank
@@ -47,9 +48,6 @@ try:  # maps a parameter name to the name DCP uses (DDP/compile prefixes removed
     from torch.distributed.checkpoint.state_dict import _get_fqns
 except ImportError:  # pragma: no cover - a torch that moved it: use the names as they are
     _get_fqns = None
-
-# ``strict`` only makes get_model_state_dict reject a module without state (nn.ReLU()).
-_GET_OPTIONS = StateDictOptions(strict=False)
 
 
 class SavedEntries(Protocol):
@@ -80,7 +78,7 @@ class ModelState:
             made = self._joint.joint_state_dicts(self.module)
             if made is not None:
                 return made[1]
-        return get_model_state_dict(self.module, options=_GET_OPTIONS)
+        return dcp_state_dicts.model_state_dict(self.module)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict`` (strictly: every key of the module must be present)."""
@@ -120,7 +118,7 @@ class OptimizerState:
                 made = self._joint.joint_state_dicts(self.model)
                 if made is not None and made[0] is self.optimizer:
                     return made[2]
-            return get_optimizer_state_dict(self.model, self.optimizer, options=_GET_OPTIONS)
+            return dcp_state_dicts.optimizer_state_dict(self.model, self.optimizer)
         groups = self.optimizer.state_dict()["param_groups"]
         names = self._names()
         for group in groups:
@@ -301,9 +299,9 @@ class TrainingObjects:
         self, module: nn.Module
     ) -> tuple[torch.optim.Optimizer, dict[str, Any], dict[str, Any]] | None:
         """(the optimizer, DCP's state dict of ``module``, that of the optimizer), made by one
-        ``get_state_dict`` call once per state saved, where ``module`` has exactly one optimizer
-        at the top level of the state and that optimizer has state; None otherwise (each is
-        made on its own).
+        call (:func:`ckptmgr.dcp_state_dicts.state_dicts`) once per state saved, where
+        ``module`` has exactly one optimizer at the top level of the state and that optimizer
+        has state; None otherwise (each is made on its own).
 
         ``get_model_state_dict`` and ``get_optimizer_state_dict`` each map every parameter's
         names anew (DCP's ``_verify_options``): one call for both does it once (FSDP2 over 1,000
@@ -315,7 +313,7 @@ class TrainingObjects:
             made = None
             if len(optimizers) == 1 and optimizers[0].state:
                 optimizer = optimizers[0]
-                model_dict, optimizer_dict = get_state_dict(module, optimizer, options=_GET_OPTIONS)
+                model_dict, optimizer_dict = dcp_state_dicts.state_dicts(module, optimizer)
                 made = (optimizer, model_dict, optimizer_dict)
             self._joint[key] = made
         return self._joint[key]

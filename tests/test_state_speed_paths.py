@@ -363,24 +363,24 @@ def _stepped(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 def test_a_module_and_its_one_optimizer_get_their_state_dicts_from_one_dcp_call(
     monkeypatch: pytest.MonkeyPatch, optimizer_first: bool
 ) -> None:
-    """Saving a module and its one optimizer (with state) makes both state dicts with one
-    ``get_state_dict`` (DCP maps every parameter's names once, not twice); what is flattened
-    is what the two calls one by one make: the same names, the very same tensors, the same
+    """Saving a module and its one optimizer (with state) makes both state dicts with one call
+    (``dcp_state_dicts.state_dicts``: where DCP's ``get_state_dict`` runs, it maps every
+    parameter's names once, not twice); what is flattened is what the two calls one by one
+    make: the same names, the very same tensors, the same
     plain values. In the other cases each is made on its own: an optimizer without state, two
     optimizers of one module, an optimizer the user wrapped as ``OptimizerState``, one below the
     state's top level."""
-    from ckptmgr import OptimizerState
-    from ckptmgr import module_state as module_state_module
+    from ckptmgr import OptimizerState, dcp_state_dicts
 
     calls: list[str] = []
-    for name in ("get_state_dict", "get_model_state_dict", "get_optimizer_state_dict"):
-        real = getattr(module_state_module, name)
+    for name in ("state_dicts", "model_state_dict", "optimizer_state_dict"):
+        real = getattr(dcp_state_dicts, name)
 
         def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(module_state_module, name, spy)
+        monkeypatch.setattr(dcp_state_dicts, name, spy)
 
     def check(state: dict[str, Any], expected_calls: list[str]) -> None:
         if optimizer_first:
@@ -399,16 +399,16 @@ def test_a_module_and_its_one_optimizer_get_their_state_dicts_from_one_dcp_call(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    check({"model": model, "optim": optimizer}, ["get_model_state_dict"])  # no state yet
+    check({"model": model, "optim": optimizer}, ["model_state_dict"])  # no state yet
     _stepped(model, optimizer)
-    check({"model": model, "optim": optimizer}, ["get_state_dict"])
+    check({"model": model, "optim": optimizer}, ["state_dicts"])
     check(
         {"model": model, "optim": OptimizerState(model, optimizer)},
-        ["get_model_state_dict", "get_optimizer_state_dict"],
+        ["model_state_dict", "optimizer_state_dict"],
     )
     check(  # (only an optimizer at the state's top level is looked for)
         {"model": model, "training": {"optim": optimizer}},
-        ["get_model_state_dict", "get_optimizer_state_dict"],
+        ["model_state_dict", "optimizer_state_dict"],
     )
     first = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
     rest = torch.optim.Adam([*model[1].parameters(), *model[2].parameters()], lr=0.1)
@@ -416,7 +416,7 @@ def test_a_module_and_its_one_optimizer_get_their_state_dicts_from_one_dcp_call(
     _stepped(model, rest)
     check(
         {"model": model, "first": first, "rest": rest},
-        ["get_model_state_dict", "get_optimizer_state_dict", "get_optimizer_state_dict"],
+        ["model_state_dict", "optimizer_state_dict", "optimizer_state_dict"],
     )
 
 
