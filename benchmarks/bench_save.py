@@ -29,7 +29,10 @@ do. Two loops: a compute-bound
 one (matmuls on one intra-op thread) and a Python-bound one (many tiny ops).
 
 Workloads: ``a`` = ``--size-mib`` MiB in ``--tensors`` float32 tensors; ``b`` = a ~100M-parameter
-MLP with AdamW state; ``c`` = ``--small`` tensors of 1 KiB in an optimizer-like nested dict.
+MLP with AdamW state; ``c`` = ``--small`` tensors of 1 KiB in an optimizer-like nested dict;
+``d`` = a model of ``--layers`` ``nn.Linear(64, 64)`` layers with AdamW state, given to ckptmgr
+as the module and optimizer objects (DCP's state-dict API, or ckptmgr's own path to the same
+dicts, runs at every save; the baselines get the tensors).
 
 Usage::
 
@@ -179,6 +182,27 @@ def workload_b(device: str) -> Workload:
     params = sum(p.numel() for p in model.parameters())
     return Workload(
         f"b: MLP {params / 1e6:.0f}M params + AdamW",
+        tensors,
+        {"model": model, "optim": optimizer},
+    )
+
+
+def workload_d(layers: int, device: str) -> Workload:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(layers)]).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 64, device=device)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tensors: dict[str, torch.Tensor] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for name, param in model.named_parameters():
+        tensors[f"model/{name}"] = param.data
+    for param, values in optimizer.state.items():
+        for key, value in values.items():
+            tensors[f"optim/{names[id(param)]}/{key}"] = value
+    return Workload(
+        f"d: {layers} layers of 64x64 + AdamW, as objects",
         tensors,
         {"model": model, "optim": optimizer},
     )
@@ -733,10 +757,11 @@ def report(summary: dict[str, Any]) -> str:
 def main() -> None:
     """Run every workload and print markdown tables; write JSON with ``--json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="a,c", help="comma-separated: a, b, c")
+    parser.add_argument("--workloads", default="a,c", help="comma-separated: a, b, c, d")
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--small", type=int, default=20_000)
+    parser.add_argument("--layers", type=int, default=1000, help="layers of workload d")
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds after round 0")
     parser.add_argument("--small-repeats", type=int, default=2, help="rounds for workload c")
     parser.add_argument("--loops", default="compute,python", help="loops run during saves")
@@ -785,8 +810,11 @@ def main() -> None:
                 work = workload_a(args.size_mib, args.tensors, args.device)
             elif name == "b":
                 work = workload_b(args.device)
+            elif name == "d":
+                work = workload_d(args.layers, args.device)
+                repeats = args.small_repeats  # (a few MiB: rounds are short)
             loop_saves = args.loop_saves
-            if name not in ("a", "b"):
+            if name not in ("a", "b", "d"):
                 work = workload_c(args.small, args.device)
                 repeats = args.small_repeats
                 loop_saves *= 10  # its background write lasts a few steps of a loop
