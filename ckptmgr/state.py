@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -47,6 +47,9 @@ _PRIVATE = re.compile(r"%rank(\d{5,})%/(.*)", re.DOTALL)
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter} | _DTENSOR_TYPES)
 _SCALAR_TYPES = frozenset({type(None), bool, int, float, str, bytes})
 _CONTAINER_TYPES = frozenset({dict, list, tuple})
+_LONG_CONTAINER = 16
+"""An exact container of at least this many items has its items' types collected in C first
+(by :func:`_needs_walk`)."""
 
 # plan_restore plans an exact dict or list of at least this many items in batches where it can:
 # all its items if all are tensors, or all dicts of tensors only, else each run of at least this
@@ -264,7 +267,7 @@ def _needs_walk(value: Any) -> bool:
     """True if ``value`` holds a tensor, a ``PerRank`` or an object with a state dict, so that
     its items need paths of their own (otherwise it is stored whole as one plain value)."""
     kind = type(value)
-    items: Iterable[Any]
+    items: Collection[Any]
     if kind is dict:
         items = value.values()
     elif kind is list or kind is tuple:
@@ -275,6 +278,12 @@ def _needs_walk(value: Any) -> bool:
         return any(_needs_walk(item) for _, item in _items(value))
     else:
         return False
+    if len(items) >= _LONG_CONTAINER:  # (a list of a million indices: its item types in C)
+        kinds = set(map(type, items))
+        if kinds <= _SCALAR_TYPES:
+            return False
+        if not kinds.isdisjoint(_TENSOR_TYPES):
+            return True
     for item in items:  # any(_needs_walk(item) for item in items), the common leaves inlined
         kind = type(item)
         if kind in _SCALAR_TYPES:

@@ -154,6 +154,28 @@ def test_flatten_paths_and_values_of_plain_nested_containers() -> None:
     }
 
 
+def test_long_containers_are_walked_where_they_hold_tensors_or_per_rank_values() -> None:
+    """A long list or dict (its item types told in C first) is stored whole when it holds
+    only plain values, and walked where an item is a tensor, or a container or ``PerRank``
+    holding one: the odd item first, last, or deep."""
+    ints = list(range(40))
+    t = torch.randn(2)
+    state = {
+        "plain": ints,
+        "plain_dict": {f"k{i}": i for i in range(40)},
+        "tensor_last": [*ints, t],
+        "deep_first": [{"x": [t]}, *ints],
+        "per_rank": {**{f"k{i}": i for i in range(40)}, "mine": PerRank(7)},
+        "tuple": (*ints, t),
+    }
+    flat = flatten(state, rank=1)
+    assert list(flat.tensors) == ["tensor_last/40", "deep_first/0/x/0", "tuple/40"]
+    assert flat.objects["plain"] == ints
+    assert flat.objects["plain_dict"] == {f"k{i}": i for i in range(40)}
+    assert flat.objects["tensor_last/39"] == 39 and flat.objects["per_rank/k39"] == 39
+    assert any(name.startswith("per_rank/mine") for name in flat.objects), list(flat.objects)
+
+
 def test_flatten_of_a_large_plain_state_names_every_leaf() -> None:
     n = 2000
     state = {"opt": {f"p{i}": {"exp_avg": torch.zeros(1), "step": i} for i in range(n)}}
