@@ -26,6 +26,9 @@ from ckptmgr import dcp_state_dicts
 
 OPTIONS = StateDictOptions(strict=False)
 
+# torch.compile's and the checkpoint wrapper's imports warn about torch.jit (torch 2.13): not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
+
 
 def differences(made: Any, expected: Any, where: str = "") -> list[str]:
     """Where ``made`` is not what DCP made: keys (in order), types, tensors (their memory,
