@@ -17,7 +17,10 @@ state costs one allocation.
   otherwise the arena is replaced (grown or shrunk) and the old one is freed.
 * **Views of one storage** (tied weights, slices of one flat parameter) are staged once: the
   covered byte range of the storage is copied into one arena region and every view is rebuilt on
-  top of it with its own offset and strides.
+  top of it with its own offset and strides. Small ones go into the pack instead, each copied
+  on its own, as ``save()`` packs them: a view stored as an item of its own costs DCP's per-item
+  work at every write and restore (20,000 views of 1 KiB of one flat buffer: 0.9 s to write,
+  1.6 s to restore; 0.09 s and 0.07 s packed).
 * **CUDA.** When a source is on CUDA the arena is pinned (``cudaHostRegister``); device tensors
   are copied with ``non_blocking`` copies on a side stream that waits for the current stream,
   followed by one synchronisation.
@@ -467,10 +470,10 @@ class StagingBuffers:
         entries: dict[str, tuple[int, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]]
         entries = {}
         offset = 0
-        # The pack first, laid out as packing.pack_layout says, from tensors that share their
-        # storage with no other staged tensor.
-        single = {keys[0] for keys in by_storage.values() if len(keys) == 1}
-        packed = pack_layout(sources, [key for key in pack_keys if key in single])
+        # The pack first, laid out as packing.pack_layout says: every small tensor, views of a
+        # storage other keys share too (each copied on its own, as save() packs them: the
+        # storage's other views are staged over its covered range below).
+        packed = pack_layout(sources, pack_keys)
         for key, entry in packed.items():
             entries[key] = (len(units), (entry.dtype, entry.shape, (), -1))
             units.append((entry.offset, entry.nbytes, 0))
@@ -480,7 +483,8 @@ class StagingBuffers:
         pack_bytes = offset
         offset = _aligned(offset)
         for keys in by_storage.values():
-            if keys[0] in packed:
+            keys = [key for key in keys if key not in packed]
+            if not keys:
                 continue
             if len(keys) == 1:
                 source = sources[keys[0]]

@@ -390,6 +390,33 @@ def test_saves_of_one_layout_share_a_record_table_and_a_new_layout_gets_its_own(
             assert torch.equal(target["t5"], state["t5"])
 
 
+@pytest.mark.parametrize("mode", ["save", "save_async"])
+def test_small_views_of_one_flat_buffer_are_packed_by_both_saves(tmp_path: Path, mode: str) -> None:
+    """Parameters that are slices of one flat buffer (a contiguous parameter buffer), a tied
+    copy and one large slice: ``save`` and ``save_async`` store the small slices in the pack
+    (not as 300 items of their own, each with DCP's per-item work at write and restore), and
+    the step restores bit-exact into slices of another buffer and into tensors of their own."""
+    generator = torch.Generator().manual_seed(11)
+    flat = torch.randn(300 * 64 + 40_000, generator=generator)
+    state = {f"p{i}": flat[i * 64 : (i + 1) * 64].view(8, 8) for i in range(300)}
+    state["tied"] = state["p7"]
+    state["large"] = flat[300 * 64 :]
+    with manager(tmp_path) as mgr:
+        save_with(mgr, mode, 1, state)
+        mgr.join()
+        assert packed_names(read_record(tmp_path, 1)) == set(state) - {"large"}
+        other = torch.zeros_like(flat)
+        into_views = {f"p{i}": other[i * 64 : (i + 1) * 64].view(8, 8) for i in range(300)}
+        into_views["tied"] = torch.zeros(8, 8)
+        into_views["large"] = other[300 * 64 :]
+        mgr.restore(1, into_views)
+        assert torch.equal(other, flat)
+        apart = {key: torch.zeros_like(value) for key, value in state.items()}
+        mgr.restore(1, apart)
+        for key, value in state.items():
+            assert torch.equal(apart[key], value), key
+
+
 def test_saved_step_restores_bit_exact_into_zeros(saved_step: SavedStep) -> None:
     """The same step restores into zero tensors and a zeroed module, bit-exact."""
     target = STATES[saved_step.state_name]()
