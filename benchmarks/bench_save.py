@@ -30,6 +30,7 @@ one (matmuls on one intra-op thread) and a Python-bound one (many tiny ops).
 
 Workloads: ``a`` = ``--size-mib`` MiB in ``--tensors`` float32 tensors; ``b`` = a ~100M-parameter
 MLP with AdamW state; ``c`` = ``--small`` tensors of 1 KiB in an optimizer-like nested dict;
+with ``--views`` c's tensors are slices of one flat buffer (a contiguous parameter buffer);
 ``d`` = a model of ``--layers`` ``nn.Linear(64, 64)`` layers with AdamW state, given to ckptmgr
 as the module and optimizer objects (DCP's state-dict API, or ckptmgr's own path to the same
 dicts, runs at every save; the baselines get the tensors).
@@ -208,14 +209,16 @@ def workload_d(layers: int, device: str) -> Workload:
     )
 
 
-def workload_c(count: int, device: str) -> Workload:
+def workload_c(count: int, device: str, views: bool = False) -> Workload:
     generator = torch.Generator().manual_seed(0)
-    tensors = {
-        f"optim/state/p{i // 2}/{'exp_avg' if i % 2 == 0 else 'exp_avg_sq'}": torch.rand(
-            256, generator=generator
-        ).to(device)
-        for i in range(count)
-    }
+    names = [
+        f"optim/state/p{i // 2}/{'exp_avg' if i % 2 == 0 else 'exp_avg_sq'}" for i in range(count)
+    ]
+    if views:  # slices of one flat buffer, as in a contiguous parameter buffer
+        flat = torch.rand(count * 256, generator=generator).to(device)
+        tensors = {name: flat[i * 256 : (i + 1) * 256] for i, name in enumerate(names)}
+        return Workload(f"c: {count} slices of 1 KiB of one buffer", tensors, dict(tensors))
+    tensors = {name: torch.rand(256, generator=generator).to(device) for name in names}
     return Workload(f"c: {count} tensors of 1 KiB", tensors, dict(tensors))
 
 
@@ -762,6 +765,9 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--small", type=int, default=20_000)
     parser.add_argument("--layers", type=int, default=1000, help="layers of workload d")
+    parser.add_argument(
+        "--views", action="store_true", help="workload c's tensors as slices of one buffer"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds after round 0")
     parser.add_argument("--small-repeats", type=int, default=2, help="rounds for workload c")
     parser.add_argument("--loops", default="compute,python", help="loops run during saves")
@@ -815,7 +821,7 @@ def main() -> None:
                 repeats = args.small_repeats  # (a few MiB: rounds are short)
             loop_saves = args.loop_saves
             if name not in ("a", "b", "d"):
-                work = workload_c(args.small, args.device)
+                work = workload_c(args.small, args.device, args.views)
                 repeats = args.small_repeats
                 loop_saves *= 10  # its background write lasts a few steps of a loop
             run_args = argparse.Namespace(
