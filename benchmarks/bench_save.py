@@ -165,9 +165,12 @@ def workload_a(size_mib: int, count: int, device: str) -> Workload:
     return Workload(f"a: {size_mib} MiB in {count} tensors", tensors, dict(tensors))
 
 
-def workload_b(device: str) -> Workload:
+def _trained_mlp(
+    width: int, depth: int, device: str
+) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    """``depth`` ``nn.Linear(width, width)`` layers after one AdamW step, the optimizer, and
+    their tensors by name (``model/<param>``, ``optim/<param>/<state key>``)."""
     torch.manual_seed(0)
-    width, depth = 4096, 6  # 6 x 16.8M weights + biases = ~100.7M parameters
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, width, device=device)).sum().backward()
@@ -180,7 +183,12 @@ def workload_b(device: str) -> Workload:
     for param, values in optimizer.state.items():
         for key, value in values.items():
             tensors[f"optim/{names[id(param)]}/{key}"] = value
-    params = sum(p.numel() for p in model.parameters())
+    return model, optimizer, tensors
+
+
+def workload_b(device: str) -> Workload:
+    model, optimizer, tensors = _trained_mlp(4096, 6, device)  # 6 x 16.8M weights + biases
+    params = sum(p.numel() for p in model.parameters())  # ~100.7M parameters
     return Workload(
         f"b: MLP {params / 1e6:.0f}M params + AdamW",
         tensors,
@@ -189,19 +197,7 @@ def workload_b(device: str) -> Workload:
 
 
 def workload_d(layers: int, device: str) -> Workload:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(layers)]).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 64, device=device)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    tensors: dict[str, torch.Tensor] = {}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for name, param in model.named_parameters():
-        tensors[f"model/{name}"] = param.data
-    for param, values in optimizer.state.items():
-        for key, value in values.items():
-            tensors[f"optim/{names[id(param)]}/{key}"] = value
+    model, optimizer, tensors = _trained_mlp(64, layers, device)
     return Workload(
         f"d: {layers} layers of 64x64 + AdamW, as objects",
         tensors,

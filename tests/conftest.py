@@ -56,6 +56,31 @@ def run_bounded(
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+ONE_GLOO_RANK = r"""
+import os, socket
+import torch.distributed as dist
+
+with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+"""
+"""The start of a script run by :func:`run_on_one_gloo_rank`: a process group of one rank."""
+
+
+def run_on_one_gloo_rank(tmp_path: Path, name: str, body: str) -> None:
+    """Run ``ONE_GLOO_RANK`` and then ``body`` (which imports what it uses and destroys the
+    group) as a script in a new interpreter, with the repository and ``tests/`` importable,
+    bounded in time; it must print "ok"."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(ONE_GLOO_RANK + body)
+    path = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    command = [sys.executable, "-X", "faulthandler", str(script)]
+    result = run_bounded(command, timeout=120, env={**os.environ, "PYTHONPATH": path})
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
 def in_forked_child(work: Callable[[], bytes], timeout_s: float = 60.0) -> bytes:
     """What ``work`` returns when run in a forked child (or what went wrong there)."""
     read_end, write_end = os.pipe()

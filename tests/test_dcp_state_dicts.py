@@ -6,14 +6,12 @@ memory, shape, strides, dtype, type), the same plain values. Where DCP would do 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import run_on_one_gloo_rank
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -235,10 +233,8 @@ def test_another_torch_gets_dcps_own_calls(monkeypatch: pytest.MonkeyPatch) -> N
     assert not dcp_state_dicts._plain(model)
 
 
-ONE_GLOO_RANK = r"""
-import os, socket, sys
+FSDP2_AND_DDP = r"""
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -247,11 +243,6 @@ from torch.nn.parallel import DistributedDataParallel
 from ckptmgr import dcp_state_dicts
 from test_dcp_state_dicts import differences
 
-with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-dist.init_process_group("gloo", rank=0, world_size=1)
 try:
     def trained(model):
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -287,14 +278,4 @@ finally:
 def test_fsdp2_modules_are_plain_and_ddp_is_not(tmp_path: Path) -> None:
     """On a real process group of one gloo rank (a new interpreter): FSDP2's dicts are made
     without DCP's calls and are DCP's (DTensor shards); DDP's come from DCP."""
-    script = tmp_path / "one_rank.py"
-    script.write_text(ONE_GLOO_RANK)
-    here = Path(__file__).resolve().parent
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])},
-    )
-    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+    run_on_one_gloo_rank(tmp_path, "fsdp2_and_ddp", FSDP2_AND_DDP)

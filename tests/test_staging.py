@@ -7,8 +7,6 @@ from __future__ import annotations
 import gc
 import mmap
 import os
-import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -16,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import in_forked_child
+from conftest import in_forked_child, run_on_one_gloo_rank
 
 from ckptmgr import CheckpointManager, staging
 from ckptmgr.errors import CheckpointError
@@ -677,36 +675,17 @@ def test_a_zero_byte_arena_for_pinned_staging_is_allowed() -> None:
     assert arena.size == 0 and not arena.pinned
 
 
-ONE_GLOO_RANK = r"""
-import os, socket, sys
+STAGING_IMPORTS = r"""
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from ckptmgr.staging import StagingBuffers
-
-with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-dist.init_process_group("gloo", rank=0, world_size=1)
 """
-"""The start of a script run by :func:`_run_on_one_gloo_rank`: a process group of one rank."""
 
 
 def _run_on_one_gloo_rank(tmp_path: Path, name: str, body: str) -> None:
-    """Run ``ONE_GLOO_RANK`` and then ``body`` as a script in a new interpreter; it must print
-    "ok"."""
-    script = tmp_path / f"{name}.py"
-    script.write_text(ONE_GLOO_RANK + body)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-    )
-    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+    """``body`` with the staging tests' imports, on a process group of one gloo rank."""
+    run_on_one_gloo_rank(tmp_path, name, STAGING_IMPORTS + body)
 
 
 PLAIN_THEN_DTENSOR = r"""
