@@ -165,6 +165,35 @@ def _compiled(model: nn.Module) -> nn.Module:
     return torch.compile(model)  # (an OptimizedModule: "_orig_mod." in its keys; not compiled)
 
 
+def _block_compiled(model: nn.Module) -> nn.Module:
+    model.blocks["a"] = torch.compile(model.blocks["a"])  # (DCP moves its renamed keys last)
+    return model
+
+
+def _compiled_twice(model: nn.Module) -> nn.Module:
+    return torch.compile(_block_compiled(model))
+
+
+@pytest.mark.parametrize("change", [_compiled, _block_compiled, _compiled_twice])
+def test_compiled_modules_dicts_are_made_without_dcp_and_are_dcps(
+    change: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``torch.compile``'s wrappers, around the model or a block of it: DCP only removes their
+    ``_orig_mod`` from the names (and moves the keys it renamed to the end)."""
+    model, optimizer = _trained("adamw")
+    model = change(model)
+    expected = _expected(model, optimizer)
+    assert "blocks.a.0.weight" in expected["model"]
+    assert "blocks.a.0.weight" in expected["optim"]["state"]
+    _no_dcp_calls(monkeypatch)
+    assert differences(_made(model, optimizer), expected) == []
+
+
+def _with_a_child_named_like_compiles(model: nn.Module) -> nn.Module:
+    model.blocks["b"]._orig_mod = nn.Linear(2, 2)  # (not torch.compile's: DCP walks it anyway)
+    return model
+
+
 def _checkpoint_wrapped(model: nn.Module) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -193,12 +222,17 @@ def _with_state_dict_set_on_the_object(model: nn.Module) -> nn.Module:
 
 @pytest.mark.parametrize(
     "change",
-    [_compiled, _checkpoint_wrapped, _with_fqn_modifiers, _with_state_dict_set_on_the_object],
+    [
+        _checkpoint_wrapped,
+        _with_fqn_modifiers,
+        _with_state_dict_set_on_the_object,
+        _with_a_child_named_like_compiles,
+    ],
 )
 def test_modules_dcp_renames_get_dcps_own_calls(change: Any) -> None:
     model, optimizer = _trained("adamw")
     model = change(model)
-    assert not dcp_state_dicts._plain(model)
+    assert dcp_state_dicts._dcp_names(model) is None
     assert differences(_made(model, optimizer), _expected(model, optimizer)) == []
 
 
@@ -206,7 +240,7 @@ def test_a_module_with_a_hook_that_renames_a_key_gets_dcps_own_call() -> None:
     """DCP checks every key against the module tree: a key a hook renamed fails there, as it
     does when saved through DCP's call; never saved under a name DCP refuses."""
     model = _with_renaming_hook(_trained("adamw")[0])
-    assert not dcp_state_dicts._plain(model)
+    assert dcp_state_dicts._dcp_names(model) is None
     with pytest.raises(AttributeError):
         get_model_state_dict(model, options=OPTIONS)
     with pytest.raises(AttributeError):
@@ -228,9 +262,9 @@ def test_an_optimizer_without_state_is_left_to_dcp(monkeypatch: pytest.MonkeyPat
 
 def test_another_torch_gets_dcps_own_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = _trained("adamw")
-    assert dcp_state_dicts._plain(model)
+    assert dcp_state_dicts._dcp_names(model) is not None
     monkeypatch.setattr(dcp_state_dicts, "torch_version", lambda: (2, 99))
-    assert not dcp_state_dicts._plain(model)
+    assert dcp_state_dicts._dcp_names(model) is None
 
 
 FSDP2_AND_DDP = r"""
@@ -261,7 +295,7 @@ try:
     fully_shard(sharded, mesh=mesh)
     for name, model in (("fsdp2", sharded), ("ddp", DistributedDataParallel(layers()))):
         model, optimizer = trained(model)
-        plain = dcp_state_dicts._plain(model)
+        plain = dcp_state_dicts._dcp_names(model) is not None
         assert plain == (name == "fsdp2"), (name, plain)
         expected = get_state_dict(model, optimizer, options=StateDictOptions(strict=False))
         made = dcp_state_dicts.state_dicts(model, optimizer)
