@@ -4,29 +4,31 @@
 ``strict=False``, all others DCP's defaults) map every parameter's name to its canonical name
 anew on every call: each name is walked attribute by attribute through the module tree, twice,
 and the whole tree is searched for FSDP (version 1) states. For a module with none of the
-wrappers whose names DCP rewrites but ``torch.compile``'s, that is work for nothing: the
-module's own ``state_dict()`` has the canonical names once compile's ``_orig_mod`` is taken
-out of them, and the optimizer's ``state_dict()`` needs only each parameter's position replaced
-by that name from ``named_parameters()``. With 1,000 ``nn.Linear`` layers and AdamW (2,000
-parameters, 8,000 tensors) ``get_state_dict`` took 77 ms a save on the training thread (98 ms
-compiled), against about 10 ms for the module's and the optimizer's own ``state_dict()`` and
-the renaming.
+wrappers whose names DCP rewrites but ``torch.compile``'s and DDP's, that is work for nothing:
+the module's own ``state_dict()`` has the canonical names once the wrappers' ``_orig_mod`` and
+``module`` are taken out of them, and the optimizer's ``state_dict()`` needs only each
+parameter's position replaced by that name from ``named_parameters()``. With 1,000
+``nn.Linear`` layers and AdamW (2,000 parameters, 8,000 tensors) ``get_state_dict`` took 77 ms
+a save on the training thread (98 ms compiled), against about 10 ms for the module's and the
+optimizer's own ``state_dict()`` and the renaming.
 
-A module tree is *plain* when none of its modules is DDP, FSDP (version 1, wrapper or
-composable) or an activation-checkpoint wrapper, declares DCP's ``_fqn_modifiers``, has a
-state-dict hook that runs after ``state_dict()`` (which may rename keys; DCP would check them
-against the module tree) or holds something named ``_orig_mod`` without being
-``torch.compile``'s wrapper, and when neither the module's nor the optimizer's ``state_dict``
-is patched by DCP or replaced on the object. FSDP2 (``fully_shard``), tensor-parallel and
-compiled modules (the whole model or blocks of it) are plain: DCP takes their ``state_dict()``
-as it is and removes compile's ``_orig_mod`` from the names. For a plain tree the dicts made
-here are DCP's (the same keys in the same order, the very tensors, the same
-plain values: ``tests/test_dcp_state_dicts.py`` compares them); anywhere else, and on a torch
-whose DCP code this was not read against (:data:`READ_AGAINST`), DCP's functions are called.
+A module tree is *plain* when none of its modules is FSDP (version 1, wrapper or composable)
+or an activation-checkpoint wrapper, declares DCP's ``_fqn_modifiers`` or has a state-dict hook
+that runs after ``state_dict()`` (which may rename keys; DCP would check them against the
+module tree); when, if it holds ``torch.compile``'s or DDP's wrappers, nothing else in it holds
+something under the name they hold their module by (``_orig_mod``, ``module``); and when
+neither the module's nor the optimizer's ``state_dict`` is patched by DCP or replaced on the
+object. FSDP2 (``fully_shard``), tensor-parallel, compiled and DDP modules are plain: DCP takes
+their ``state_dict()`` as it is and removes the wrappers' ``_orig_mod`` and ``module`` from the
+names. For a plain tree the dicts made here are DCP's (the same keys in the same order, the
+very tensors, the same plain values: ``tests/test_dcp_state_dicts.py`` compares them);
+anywhere else, and on a torch whose DCP code this was not read against
+(:data:`READ_AGAINST`), DCP's functions are called.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
@@ -72,14 +74,21 @@ GET_OPTIONS = StateDictOptions(strict=False)
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 """The attribute of an activation-checkpoint wrapper that holds the wrapped module; DCP removes
 its prefix from names."""
-_COMPILED = "_orig_mod"
-"""The attribute of ``torch.compile``'s wrapper that holds the compiled module; DCP removes it
-from names (``_orig_mod.0.weight`` -> ``0.weight``)."""
+_WRAPPED_AS: dict[type, str] = {
+    kind: name
+    for kind, name in ((OptimizedModule, "_orig_mod"), (DistributedDataParallel, "module"))
+    if kind is not None
+}
+"""``torch.compile``'s and DDP's wrappers, and the name under which each holds the module it
+wraps: DCP removes that name from the names below it (``_orig_mod.0.weight``,
+``module.0.weight`` -> ``0.weight``)."""
 _FQN_MODIFIERS = "_fqn_modifiers"
 """A module method whose renaming DCP applies (``StateDictOptions.dsd_fqn_modifiers``)."""
 
-_WRAPPERS: tuple[type, ...] = tuple(
-    kind for kind in (DistributedDataParallel, FullyShardedDataParallel) if kind is not None
+_WRAPPER_KINDS = tuple(_WRAPPED_AS)
+
+_FSDP1_WRAPPERS: tuple[type, ...] = tuple(
+    kind for kind in (FullyShardedDataParallel,) if kind is not None
 )
 
 Rename = Callable[[str], str]
@@ -127,16 +136,14 @@ def _dcp_names(model: nn.Module) -> Rename | None:
         return None
     if not _own_method(model, "state_dict"):
         return None
-    compiled = False
+    wrapped_as: set[str] = set()  # the names of the wrappers' children in this tree
     for module in model.modules():
-        if OptimizedModule is not None and isinstance(module, OptimizedModule):
-            compiled = True  # (its one child is the compiled module, named _COMPILED)
-        elif _COMPILED in module._modules or _COMPILED in module._parameters:
-            return None  # a name DCP would take for compile's: never seen as such here
-        elif _COMPILED in module._buffers:
-            return None
+        if isinstance(module, _WRAPPER_KINDS):
+            wrapped_as.update(
+                name for kind, name in _WRAPPED_AS.items() if isinstance(module, kind)
+            )
         if (
-            isinstance(module, _WRAPPERS)
+            isinstance(module, _FSDP1_WRAPPERS)
             or _get_module_fsdp_state(module) is not None
             or _CHECKPOINT_WRAPPED in module._modules
             or hasattr(type(module), _FQN_MODIFIERS)
@@ -144,19 +151,25 @@ def _dcp_names(model: nn.Module) -> Rename | None:
             or module._state_dict_hooks  # (may rename keys, which DCP would check)
         ):
             return None
-    return _without_compile_wrappers if compiled else _as_it_is
+    if not wrapped_as:
+        return _as_it_is
+    for module in model.modules():  # only the wrappers hold something under their names
+        if not isinstance(module, _WRAPPER_KINDS) and not wrapped_as.isdisjoint(
+            chain(module._modules, module._parameters, module._buffers)
+        ):
+            return None
+    return functools.partial(_without_parts, frozenset(wrapped_as))
 
 
 def _as_it_is(name: str) -> str:
     return name
 
 
-def _without_compile_wrappers(name: str) -> str:
-    """``name`` without the parts that are ``torch.compile`` wrappers' (in a tree where only
-    they hold something named ``_orig_mod``: :func:`_dcp_names`)."""
-    if _COMPILED not in name:
-        return name
-    return ".".join(part for part in name.split(".") if part != _COMPILED)
+def _without_parts(parts: frozenset[str], name: str) -> str:
+    """``name`` without the parts named in ``parts`` (the wrappers' children, in a tree where
+    only the wrappers hold something under those names: :func:`_dcp_names`)."""
+    kept = [part for part in name.split(".") if part not in parts]
+    return ".".join(kept)
 
 
 def _own_method(obj: object, name: str) -> bool:

@@ -11,8 +11,8 @@ its own ``state_dict()``. It uses DCP's state-dict API instead:
   position in the optimizer, so it can be resharded, and restored into a differently wrapped
   model. This needs the optimizer's module, which is looked up in the same state.
 
-Where DCP's functions would do no more than rename (no DDP, FSDP version 1 or
-activation-checkpoint wrapper in the module tree: a plain, compiled or FSDP2 module), the same dicts
+Where DCP's functions would do no more than rename (no FSDP version 1 or activation-checkpoint
+wrapper in the module tree: a plain, compiled, DDP or FSDP2 module), the same dicts
 are made directly from the module's and the optimizer's own ``state_dict()``, without DCP's
 walk over every parameter's name on every save (:mod:`ckptmgr.dcp_state_dicts`). When a state
 being saved holds a module and its one optimizer (with state, at the state's top level), both

@@ -174,12 +174,24 @@ def _compiled_twice(model: nn.Module) -> nn.Module:
     return torch.compile(_block_compiled(model))
 
 
-@pytest.mark.parametrize("change", [_compiled, _block_compiled, _compiled_twice])
+def _with_a_child_named_like_compiles(model: nn.Module) -> nn.Module:
+    model.blocks["b"]._orig_mod = nn.Linear(2, 2)  # (not torch.compile's: its name stays)
+    return model
+
+
+def _compiled_with_a_child_named_like_compiles(model: nn.Module) -> nn.Module:
+    return torch.compile(_with_a_child_named_like_compiles(model))
+
+
+@pytest.mark.parametrize(
+    "change", [_compiled, _block_compiled, _compiled_twice, _with_a_child_named_like_compiles]
+)
 def test_compiled_modules_dicts_are_made_without_dcp_and_are_dcps(
     change: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``torch.compile``'s wrappers, around the model or a block of it: DCP only removes their
-    ``_orig_mod`` from the names (and moves the keys it renamed to the end)."""
+    ``_orig_mod`` from the names (and moves the keys it renamed to the end); a child of a
+    module's own named ``_orig_mod``, in a tree without them, keeps its name."""
     model, optimizer = _trained("adamw")
     model = change(model)
     expected = _expected(model, optimizer)
@@ -187,11 +199,6 @@ def test_compiled_modules_dicts_are_made_without_dcp_and_are_dcps(
     assert "blocks.a.0.weight" in expected["optim"]["state"]
     _no_dcp_calls(monkeypatch)
     assert differences(_made(model, optimizer), expected) == []
-
-
-def _with_a_child_named_like_compiles(model: nn.Module) -> nn.Module:
-    model.blocks["b"]._orig_mod = nn.Linear(2, 2)  # (not torch.compile's: DCP walks it anyway)
-    return model
 
 
 def _checkpoint_wrapped(model: nn.Module) -> nn.Module:
@@ -226,7 +233,7 @@ def _with_state_dict_set_on_the_object(model: nn.Module) -> nn.Module:
         _checkpoint_wrapped,
         _with_fqn_modifiers,
         _with_state_dict_set_on_the_object,
-        _with_a_child_named_like_compiles,
+        _compiled_with_a_child_named_like_compiles,
     ],
 )
 def test_modules_dcp_renames_get_dcps_own_calls(change: Any) -> None:
@@ -288,28 +295,45 @@ try:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
 
+    class Holder(nn.Module):  # holds a child under DDP's name for its module
+        def __init__(self):
+            super().__init__()
+            self.module = layers()
+
+        def forward(self, x):
+            return self.module(x)
+
     sharded = layers()
     mesh = init_device_mesh("cpu", (1,))
     for layer in (sharded[0], sharded[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    for name, model in (("fsdp2", sharded), ("ddp", DistributedDataParallel(layers()))):
+    models = {  # name -> (model, made without DCP's calls)
+        "fsdp2": (sharded, True),
+        "ddp": (DistributedDataParallel(layers()), True),
+        "ddp of compiled": (DistributedDataParallel(torch.compile(layers())), True),
+        "ddp of a module's 'module'": (DistributedDataParallel(Holder()), False),
+    }
+    for name, (model, direct) in models.items():
         model, optimizer = trained(model)
-        plain = dcp_state_dicts._dcp_names(model) is not None
-        assert plain == (name == "fsdp2"), (name, plain)
+        assert (dcp_state_dicts._dcp_names(model) is not None) == direct, name
         expected = get_state_dict(model, optimizer, options=StateDictOptions(strict=False))
         made = dcp_state_dicts.state_dicts(model, optimizer)
         found = differences(made, expected)
         assert found == [], (name, found)
         if name == "fsdp2":
             assert type(made[0]["0.weight"]).__name__ == "DTensor"
+        elif direct:
+            assert "0.weight" in made[0] and "0.weight" in made[1]["state"], (name, list(made[0]))
     print("ok")
 finally:
     dist.destroy_process_group()
 """
 
 
-def test_fsdp2_modules_are_plain_and_ddp_is_not(tmp_path: Path) -> None:
-    """On a real process group of one gloo rank (a new interpreter): FSDP2's dicts are made
-    without DCP's calls and are DCP's (DTensor shards); DDP's come from DCP."""
+def test_fsdp2_and_ddp_modules_dicts_are_made_without_dcp_and_are_dcps(tmp_path: Path) -> None:
+    """On a real process group of one gloo rank (a new interpreter): FSDP2's dicts (DTensor
+    shards) and DDP's (``module.`` taken out of the names, around a compiled model too) are
+    made without DCP's calls and are DCP's; DDP around a module that holds a child named
+    ``module`` of its own gets DCP's calls."""
     run_on_one_gloo_rank(tmp_path, "fsdp2_and_ddp", FSDP2_AND_DDP)
