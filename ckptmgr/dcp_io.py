@@ -70,6 +70,7 @@ from ckptmgr.integrity import (
 from ckptmgr.kept_results import KeptResults
 from ckptmgr.load_chunks import chunk_stand_ins
 from ckptmgr.metadata_file import MetadataFile
+from ckptmgr.remote_read import RemoteRangeSource
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.safe_metadata import load_metadata_safely
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, COMMITTED_ATTRIBUTE, LISTING_ATTRIBUTE
@@ -835,11 +836,32 @@ class RetryingFileSystem(FileSystemBase):
     def open_data_source(
         self, path: str | os.PathLike[str], *, hash_inline: bool = False
     ) -> Iterator[tensor_bytes.TensorSource]:
-        """A data file downloaded (and checked) in one retried call, then read locally
-        (``hash_inline`` changes nothing: the download is hashed as it is copied)."""
-        del hash_inline
-        with self.create_stream(path, "rb") as stream:
-            yield tensor_bytes.StreamSource(stream, _relative(self.root, path))
+        """A data file read by ranged reads, several at once, each retried, straight into the
+        destinations, and checked whole by ``finish`` (:mod:`ckptmgr.remote_read`)."""
+        path = os.fspath(path)
+        name = _relative(self.root, path)
+        entry = None if self.expected is None else self.expected.get(name)
+        if self.expected is not None and entry is None:
+            check_content(name, self.expected, 0, 0)  # (raises: the record does not list it)
+        if entry is not None:
+            size = entry.size
+        else:
+            size = self.retrier.call(f"size of {path}", self._fresh_size, path)
+
+        def fetch(start: int, end: int) -> bytes:
+            return self.retrier.call(
+                f"read {path} [{start}:{end}]", self.fs.cat_file, path, start=start, end=end
+            )
+
+        def check(size: int, crc: int) -> None:
+            check_content(name, self.expected, size, crc)
+
+        with RemoteRangeSource(fetch, size, name, check, hash_inline=hash_inline) as source:
+            yield source
+
+    def _fresh_size(self, path: str) -> int:
+        self.fs.invalidate_cache(path)
+        return int(self.fs.size(path))
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         check_relative_path(suffix)

@@ -27,7 +27,7 @@ import operator
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -518,47 +518,6 @@ class VerifyingLocalFile:
             if self._hasher is not None:
                 self._hasher.add(byte_view(buffer)[:count], buffer)
             self._position += count
-
-
-def _readinto_of(stream: Any) -> Callable[[memoryview], int]:
-    """``stream.readinto``, or for a stream without one (before Python 3.11, the
-    ``SpooledTemporaryFile`` that a remote data file is downloaded into) a read and a copy."""
-    readinto = getattr(stream, "readinto", None)
-    if readinto is not None:
-        return readinto
-
-    def read_and_copy(piece: memoryview) -> int:
-        data = stream.read(piece.nbytes)
-        piece[: len(data)] = data
-        return len(data)
-
-    return read_and_copy
-
-
-class StreamSource:
-    """A :class:`TensorSource` over a seekable stream that was checked when it was fetched."""
-
-    def __init__(self, stream: Any, name: str) -> None:
-        self._stream = stream
-        self._name = name
-        self._readinto = _readinto_of(stream)
-
-    def read_into(self, offset: int, piece: memoryview, owner: Any) -> None:
-        """Seek to ``offset`` and fill ``piece``."""
-        del owner
-        self._stream.seek(offset)
-        done = 0
-        while done < piece.nbytes:
-            count = self._readinto(piece[done:])
-            if not count:
-                raise CorruptCheckpointError(
-                    f"the file ends before the tensor bytes it should hold at {offset}",
-                    path=self._name,
-                )
-            done += count
-
-    def finish(self) -> None:
-        """Nothing left to check: the stream was checked as a whole when it was fetched."""
 
 
 def read_chunk(

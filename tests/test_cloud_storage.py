@@ -29,7 +29,13 @@ require_cloud_modules()
 from _cloud_state import blank_like, differences, make_state  # noqa: E402
 from conftest import run_python  # noqa: E402
 
-from ckptmgr import CheckpointError, CheckpointManager, StepNotFoundError, dcp_io  # noqa: E402
+from ckptmgr import (  # noqa: E402
+    CheckpointError,
+    CheckpointManager,
+    StepNotFoundError,
+    dcp_io,
+    remote_read,
+)
 from ckptmgr.record import CommitRecord  # noqa: E402
 from ckptmgr.storage import AlreadyCommittedError, CheckpointStorage  # noqa: E402
 
@@ -263,3 +269,30 @@ def test_files_larger_than_the_memory_spool_go_through_a_temporary_file(
     assert proxy.count(is_data_upload, "forwarded") == 2  # two data files, each sent whole
     assert max(f.size for f in record.files if f.path.endswith(".distcp")) > 4096
     assert list(spool_dir.iterdir()) == []  # spools are removed after the upload
+
+
+def is_data_read(method: str, path: str) -> bool:
+    """A request that reads a DCP data file."""
+    return method == "GET" and ".distcp" in path
+
+
+def test_a_data_file_is_restored_by_ranged_reads_each_retried_on_its_own(
+    server: Server, root: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's data file is read in windows, several at once, straight into the tensors; a
+    failed read re-sends its own window, not the file."""
+    window = 16384
+    monkeypatch.setattr(remote_read, "WINDOW_BYTES", window)
+    with manager(root, server.storage_options()) as mgr:
+        assert mgr.save(1, make_state(1, size=65536))
+    record = CheckpointStorage(root, server.storage_options()).read_record(1)
+    sizes = [entry.size for entry in record.files if entry.path.endswith(".distcp")]
+    windows = sum(-(-size // window) for size in sizes)
+    assert windows >= 16
+    proxy.set_faults(sequence=("503", None, None, "reset", "500"), match=is_data_read)
+    state = blank_like(make_state(1, size=65536))
+    with manager(root, server.storage_options(proxy.url)) as mgr:
+        mgr.restore(1, state)
+    assert differences(state, make_state(1, size=65536)) == []
+    assert proxy.count(is_data_read, "forwarded") == windows
+    assert proxy.count(is_data_read) == windows + 3

@@ -39,6 +39,7 @@ from ckptmgr import (
     tensor_bytes,
 )
 from ckptmgr.record import TensorEntry, TensorTable, record_bytes
+from ckptmgr.remote_read import RemoteRangeSource
 
 DATA = Path(__file__).resolve().parent / "data"
 KIB = 1024
@@ -730,36 +731,6 @@ def test_an_efficient_zero_tensor_destination_is_refused_by_name(tmp_path: Path,
     assert_bit_equal(target, saved)
 
 
-class _ReadOnlyStream:
-    """A seekable stream with ``read`` but no ``readinto``, as ``SpooledTemporaryFile`` is
-    before Python 3.11 (where remote data files are downloaded into one)."""
-
-    def __init__(self, data: bytes, most_per_read: int) -> None:
-        self._file = io.BytesIO(data)
-        self._most = most_per_read
-
-    def seek(self, offset: int) -> int:
-        return self._file.seek(offset)
-
-    def read(self, size: int) -> bytes:
-        return self._file.read(min(size, self._most))
-
-
-def test_a_stream_without_readinto_is_read_by_read_and_copy() -> None:
-    """On Python 3.10 every restore from a remote store failed: the downloaded data file, a
-    ``SpooledTemporaryFile``, has no ``readinto`` there. (.ci/compat runs the whole suite on
-    Python 3.10, where the remote tests take this path.)"""
-    values = torch.arange(1000, dtype=torch.float64)
-    data = b"junk" + bytes(tensor_bytes.byte_view(values))
-    source = tensor_bytes.StreamSource(_ReadOnlyStream(data, most_per_read=3000), "data")
-    into = torch.zeros(1000, dtype=torch.float64)
-    assert tensor_bytes.read_chunk(source, 4, 8000, torch.float64, (1000,), into) is into
-    assert torch.equal(into, values)
-    short = tensor_bytes.StreamSource(_ReadOnlyStream(data[:-8], most_per_read=3000), "data")
-    with pytest.raises(CorruptCheckpointError, match="ends before"):
-        tensor_bytes.read_chunk(short, 4, 8000, torch.float64, (1000,), None)
-
-
 def test_bytes_of_an_efficient_zero_tensor_are_written_as_zeros_and_never_read_at_0() -> None:
     """A tensor with no memory (an efficient zero tensor: ``data_ptr()`` is 0) had its bytes
     read from address 0 when written to a stream, and a stream read into it there: both
@@ -770,11 +741,12 @@ def test_bytes_of_an_efficient_zero_tensor_are_written_as_zeros_and_never_read_a
         stream = io.BytesIO()
         assert tensor_bytes.write_tensor(tensor_bytes.StreamSink(stream), zero) == (0, 8000)
         written = stream.getvalue() == bytes(8000)
-        source = tensor_bytes.StreamSource(io.BytesIO(b"\x01" * 8000), "data")
-        try:
-            tensor_bytes.read_chunk(source, 0, 8000, torch.float64, (1000,), zero)
-        except ValueError:
-            return b"zeros written, read refused" if written else b"wrong bytes written"
+        ones = b"\x01" * 8000
+        with RemoteRangeSource(lambda start, end: ones[start:end], 8000, "data", None) as source:
+            try:
+                tensor_bytes.read_chunk(source, 0, 8000, torch.float64, (1000,), zero)
+            except ValueError:
+                return b"zeros written, read refused" if written else b"wrong bytes written"
         return b"read into a tensor with no memory"
 
     assert in_forked_child(work) == b"zeros written, read refused"
