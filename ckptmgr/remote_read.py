@@ -15,9 +15,11 @@ unchecked bytes until then, and a restore that finds damage raises.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ckptmgr.errors import CorruptCheckpointError
@@ -28,10 +30,29 @@ WINDOW_BYTES = 32 * 2**20
 halve the requests, which each cost a round trip and, on the emulators, a pass over the
 object)."""
 WINDOWS_AHEAD = 4
-"""Ranged reads of one file in flight at once: the memory a file being read holds is at most
-this many windows, plus the one being copied out of and those waiting to be hashed."""
+"""Windows of one file asked for beyond the one being copied out of: the memory a file being read
+holds is at most this many windows, plus the current one and those waiting to be hashed."""
+FETCH_THREADS = 4
+"""Ranged reads in flight at once in one process, over every file it reads (a restore reads
+several data files at a time): one process holds at most this many connections for them."""
 HASH_BACKLOG_BYTES = 2 * WINDOW_BYTES
 """Fetched windows waiting for the hashing thread, at most (a slow hash holds the reads back)."""
+
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def _fetch_pool() -> ThreadPoolExecutor:
+    """This process's threads for ranged reads (``FETCH_THREADS``; made anew in a forked child,
+    which has none of its parent's threads)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ckptmgr-fetch")
+            _pool_pid = os.getpid()
+        return _pool
+
 
 Fetch = Callable[[int, int], bytes]
 """``fetch(start, end)``: the file's bytes ``start`` to ``end`` (exclusive), or fewer where the
@@ -70,10 +91,7 @@ class RemoteRangeSource:
         self._check = check
         self._window_bytes = window_bytes
         self._ahead = windows_ahead
-        windows = -(-size // window_bytes)
-        self._pool = ThreadPoolExecutor(
-            max(1, min(windows_ahead, windows)), thread_name_prefix="ckptmgr-fetch"
-        )
+        self._pool = _fetch_pool()
         self._pending: deque[tuple[int, Future[bytes]]] = deque()
         self._requested = 0  # the first byte not asked for yet
         self._start = 0  # the current window: its first byte, and its bytes
@@ -119,8 +137,11 @@ class RemoteRangeSource:
 
     def close(self) -> None:
         """Cancel the fetches not started, wait for those running, end the hashing."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        futures = [future for _, future in self._pending]
         self._pending.clear()
+        for future in futures:
+            future.cancel()
+        wait(futures)
         self._window = memoryview(b"")
         if self._hasher is not None:
             try:

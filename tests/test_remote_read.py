@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from ckptmgr import CorruptCheckpointError, tensor_bytes
+from ckptmgr import CorruptCheckpointError, remote_read, tensor_bytes
 from ckptmgr.remote_read import RemoteRangeSource
 
 WINDOW = 1000
@@ -29,11 +29,13 @@ class Fetches:
         self.data = data
         self.calls: list[tuple[int, int]] = []
         self.fail_at = fail_at
+        self.threads: set[int] = set()
         self._lock = threading.Lock()
 
     def __call__(self, start: int, end: int) -> bytes:
         with self._lock:
             self.calls.append((start, end))
+            self.threads.add(threading.get_ident())
         if self.fail_at is not None and start <= self.fail_at < end:
             raise OSError("HTTP 503: injected")
         return self.data[start:end]
@@ -180,6 +182,20 @@ def test_no_more_than_windows_ahead_are_fetched_beyond_the_one_being_read() -> N
             assert fetches.count <= window + 1 + 3
         source.finish()
     assert fetches.count == 40
+
+
+def test_files_read_at_once_share_the_processs_fetch_threads() -> None:
+    """Each source asks for up to ``windows_ahead`` windows at once; what runs at once in the
+    process, over all of them, is ``FETCH_THREADS`` reads."""
+    files = [file_of(12 * WINDOW + n) for n in range(3)]
+    sources = [source_over(data, ahead=4) for data in files]
+    for (source, _, _), data in zip(sources, files, strict=True):
+        with source:
+            assert read(source, 0, len(data)) == data
+            source.finish()
+    threads = set().union(*(fetches.threads for _, fetches, _ in sources))
+    assert len(threads) <= remote_read.FETCH_THREADS
+    assert all(checks.given == [checks.expected] for _, _, checks in sources)
 
 
 def test_an_empty_file_fetches_nothing_and_checks_zero_bytes() -> None:
