@@ -9,7 +9,8 @@ Runs the GCS emulator (``gcp-storage-emulator``) and moto's S3 server as process
 * ``ckptmgr save_async``: time blocked, and to the commit;
 * ``ckptmgr restore``: in place, of the step the last save wrote.
 
-The state is ``--mib`` MiB in ``--tensors`` float32 tensors, plus ``--small`` tensors of 1 KiB.
+The state is ``--mib`` MiB in ``--tensors`` float32 tensors, plus ``--small`` tensors of 1 KiB;
+``--num-of-threads`` is the manager's (data files per save).
 The servers are Python processes on the same machine as the client: their own cost per request
 and per byte is in every number, so the ratios compare how ckptmgr moves the bytes (requests,
 ranges, local copies) with the simplest transfer, not the speed of a real bucket.
@@ -123,7 +124,13 @@ def run_store(kind: str, args: argparse.Namespace) -> dict[str, list[float]]:
         fs = fsspec.filesystem(root.split(":")[0], **options)
         raw_path = f"{BUCKET}/raw/blob"
         target = {name: torch.zeros_like(value) for name, value in state.items()}
-        with CheckpointManager(root, 1, max_to_keep=2, storage_options=options) as manager:
+        with CheckpointManager(
+            root,
+            1,
+            max_to_keep=2,
+            num_of_threads=args.num_of_threads,
+            storage_options=options,
+        ) as manager:
             step = 0
 
             def raw_upload() -> None:
@@ -178,6 +185,7 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--stores", default="gcs,s3")
+    parser.add_argument("--num-of-threads", type=int, default=1, help="data files per save")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = {}
@@ -186,7 +194,10 @@ def main() -> None:
         median = {name: statistics.median(values) for name, values in times.items()}
         results[kind] = {"median_s": median, "all_s": times}
         upload, download = median["raw upload"], median["raw download"]
-        print(f"{kind}: {args.mib} MiB in {args.tensors} tensors + {args.small} of 1 KiB")
+        print(
+            f"{kind}: {args.mib} MiB in {args.tensors} tensors + {args.small} of 1 KiB, "
+            f"num_of_threads={args.num_of_threads}"
+        )
         for name, seconds in median.items():
             if name == "save_async blocking":
                 print(f"  {name:22s} {seconds:8.3f} s")
