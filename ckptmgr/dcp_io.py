@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,7 @@ from ckptmgr.kept_results import KeptResults
 from ckptmgr.load_chunks import chunk_stand_ins
 from ckptmgr.metadata_file import MetadataFile
 from ckptmgr.remote_read import RemoteRangeSource
+from ckptmgr.remote_write import upload_while_writing, uploads_while_writing
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.safe_metadata import load_metadata_safely
 from ckptmgr.save_process import CHECKSUMS_ATTRIBUTE, COMMITTED_ATTRIBUTE, LISTING_ATTRIBUTE
@@ -79,6 +80,8 @@ from ckptmgr.state_lookup import find_item_tensor
 from ckptmgr.storage import is_object_store, local_file_sizes, open_filesystem, write_synced
 from ckptmgr.torch_versions import checked_torch
 from ckptmgr.write_results import WriteResults
+
+T = TypeVar("T")
 
 try:  # the version DCP's writer puts on the metadata it writes
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -221,6 +224,13 @@ class ChecksummingFileSystem(FileSystem):
         size, crc = sink.close()
         if self.checksums is not None:
             self.checksums.add(_relative(self.root, path), size, crc)
+
+    def write_data_file(
+        self, path: str | os.PathLike[str], write: Callable[[tensor_bytes.TensorSink], T]
+    ) -> T:
+        """``write(sink)`` into a new data file (:meth:`open_data_file`); returns its result."""
+        with self.open_data_file(path) as sink:
+            return write(sink)
 
     @contextmanager
     def open_data_source(
@@ -446,8 +456,10 @@ class _RawTensorWriter:
             data = planner.resolve_data(item)
             tensor_bytes.check_storable(item.index.fqn, data)
             tensors.append(data)
-        with self.fs.open_data_file(self.fs.concat_path(self.path, name)) as sink:
-            spans = tensor_bytes.write_tensors(sink, tensors)
+        spans = self.fs.write_data_file(
+            self.fs.concat_path(self.path, name),
+            lambda sink: tensor_bytes.write_tensors(sink, tensors),
+        )
         return [
             WriteResult(
                 index=item.index,
@@ -831,6 +843,24 @@ class RetryingFileSystem(FileSystemBase):
         """A data file spooled locally (hashed as it is spooled) and uploaded when closed."""
         with self.create_stream(path, "wb") as stream:
             yield tensor_bytes.StreamSink(stream)
+
+    def write_data_file(
+        self, path: str | os.PathLike[str], write: Callable[[tensor_bytes.TensorSink], T]
+    ) -> T:
+        """``write(sink)`` into a new data file; returns its result. Uploaded while it is
+        written where the store's uploads go one chunk at a time anyway (GCS: see
+        :mod:`ckptmgr.remote_write`; a failed upload is retried by writing the file again), else
+        spooled and uploaded in one retried call (:meth:`open_data_file`)."""
+        if not uploads_while_writing(self.fs):
+            with self.open_data_file(path) as sink:
+                return write(sink)
+        path = os.fspath(path)
+        result, size, crc = self.retrier.call(
+            f"upload {path}", upload_while_writing, self.fs, path, write
+        )
+        if self.checksums is not None:
+            self.checksums.add(_relative(self.root, path), size, crc)
+        return result
 
     @contextmanager
     def open_data_source(
