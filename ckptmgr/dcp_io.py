@@ -260,6 +260,12 @@ class ChecksummingFileSystem(FileSystem):
         check_relative_path(suffix)
         return super().concat_path(path, suffix)
 
+    def replace(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        """Rename ``path`` to ``new_path``, removing a file there first (as DCP's finish)."""
+        if self.exists(new_path):
+            self.rm_file(new_path)
+        self.rename(path, new_path)
+
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)
         if self.checksums is not None:
@@ -443,10 +449,7 @@ class _RawTensorWriter:
                     os.fsync(stream.fileno())
                 except (AttributeError, io.UnsupportedOperation):
                     os.sync()  # (as DCP: a stream without a descriptor)
-        final = self.fs.concat_path(self.path, _METADATA_FILE)
-        if self.fs.exists(final):
-            self.fs.rm_file(final)
-        self.fs.rename(temporary, final)
+        self.fs.replace(temporary, self.fs.concat_path(self.path, _METADATA_FILE))
 
     def _write_file(
         self, planner: SavePlanner, name: str, items: list[WriteItem]
@@ -914,6 +917,12 @@ class RetryingFileSystem(FileSystemBase):
         finally:
             spool.discard()
 
+    def replace(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        """Rename ``path`` to ``new_path`` over whatever is there: a held file (``.metadata.tmp``)
+        is uploaded under ``new_path``, which replaces an object in one request, with no check
+        for one first."""
+        self.rename(path, new_path)
+
     def mkdir(self, path: str | os.PathLike[str]) -> None:
         if not self.object_store:  # object stores have no directories to create
             self.retrier.call(f"create {path}", self.fs.makedirs, os.fspath(path), exist_ok=True)
@@ -954,9 +963,18 @@ class RetryingFileSystem(FileSystemBase):
 
 class RetryingFsspecWriter(_RawTensorWriter, FsspecWriter):
     """DCP's fsspec writer over :class:`RetryingFileSystem`: retried uploads, no ``os.sync()``,
-    ``.metadata`` written directly, and never into a directory that holds a checkpoint."""
+    ``.metadata`` written directly, and never into a directory that holds a checkpoint.
 
-    def __init__(self, path: str, fs: Any, retrier: Retrier, *, thread_count: int) -> None:
+    ``prepared``: the caller listed the directory and cleared it for this save before any rank
+    plans (the manager's ``prepare_write_dir`` on rank 0, whose outcome every rank waits for):
+    DCP's own check for a ``.metadata`` there, made by every rank (on GCS a read and two
+    listings each), is then left out.
+    """
+
+    def __init__(
+        self, path: str, fs: Any, retrier: Retrier, *, thread_count: int, prepared: bool = False
+    ) -> None:
+        self.prepared = prepared
         self.checksums = ChecksumLog()
         FileSystemWriter.__init__(  # not FsspecWriter's: it would open a file system of its own
             self,
@@ -974,6 +992,9 @@ class RetryingFsspecWriter(_RawTensorWriter, FsspecWriter):
             checksums=self.checksums,
         )
         self.path = path
+
+    def _metadata_exists(self) -> bool:
+        return False if self.prepared else super()._metadata_exists()
 
 
 class SafeRetryingFsspecReader(_RawTensorReader, _SafeMetadataMixin, FsspecReader):
@@ -1004,15 +1025,19 @@ def make_writer(
     thread_count: int,
     storage_options: dict[str, Any],
     retry: RetryConfig | None = None,
+    prepared: bool = False,
 ) -> ChecksummingFileSystemWriter | RetryingFsspecWriter:
     """A DCP writer for one step directory: fsynced files locally; on other stores retried
-    uploads without ``os.sync()`` (see :class:`RetryingFsspecWriter`). Either way, the writer's
-    ``checksums`` holds the size and CRC-32 of every file it wrote."""
+    uploads without ``os.sync()`` (see :class:`RetryingFsspecWriter`; ``prepared``: the
+    directory was listed and cleared for this save). Either way, the writer's ``checksums``
+    holds the size and CRC-32 of every file it wrote."""
     if local:
         return ChecksummingFileSystemWriter(url_or_path, thread_count=thread_count)
     config = retry or RetryConfig()
     fs, _ = open_filesystem(url_or_path, storage_options, config)
-    writer = RetryingFsspecWriter(url_or_path, fs, Retrier(config), thread_count=thread_count)
+    writer = RetryingFsspecWriter(
+        url_or_path, fs, Retrier(config), thread_count=thread_count, prepared=prepared
+    )
     writer.fs.reopen = (url_or_path, dict(storage_options), config)
     return writer
 

@@ -694,6 +694,7 @@ class CheckpointManager:
                 thread_count=self.config.num_of_threads,
                 storage_options=storage.storage_options,
                 retry=storage.retry,
+                prepared=True,  # (rank 0's prepare_write_dir, broadcast above)
             )
             writer.small_files = small_files
             if not in_daemon:

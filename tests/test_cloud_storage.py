@@ -296,3 +296,19 @@ def test_a_data_file_is_restored_by_ranged_reads_each_retried_on_its_own(
     assert differences(state, make_state(1, size=65536)) == []
     assert proxy.count(is_data_read, "forwarded") == windows
     assert proxy.count(is_data_read) == windows + 3
+
+
+def test_a_save_asks_the_store_nothing_about_metadata_it_is_about_to_write(
+    server: Server, root: str, proxy: FaultProxy
+) -> None:
+    """Rank 0 listed and cleared the step directory before anyone writes: DCP's check for a
+    ``.metadata`` there on every rank, and the check before replacing it, would each cost a
+    read and listings (six requests per save on GCS, more per rank)."""
+    with manager(root, server.storage_options(proxy.url)) as mgr:
+        proxy.clear()
+        assert mgr.save(1, make_state(1))
+        asked = [
+            s.path for s in proxy.seen if s.method in ("GET", "HEAD") and ".metadata" in s.path
+        ]
+        assert asked == []
+        assert differences(restored(mgr, 1), make_state(1)) == []
