@@ -194,3 +194,17 @@ class RemoteRangeSource:
                 path=self._name,
             )
         return data
+
+
+def crc32_of_remote(fetch: Fetch, size: int, name: str) -> tuple[int, int]:
+    """(size, CRC-32) of the remote file ``name`` of ``size`` bytes, read by ranged reads as a
+    restore reads it (``CorruptCheckpointError`` where it ends before ``size`` or goes on past
+    it)."""
+    found: list[tuple[int, int]] = []
+
+    def keep(size: int, crc: int) -> None:
+        found.append((size, crc))
+
+    with RemoteRangeSource(fetch, size, name, keep) as source:
+        source.finish()
+    return found[0]

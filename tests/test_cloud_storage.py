@@ -312,3 +312,27 @@ def test_a_save_asks_the_store_nothing_about_metadata_it_is_about_to_write(
         ]
         assert asked == []
         assert differences(restored(mgr, 1), make_state(1)) == []
+
+
+def test_deep_verify_reads_data_files_by_ranged_reads_and_finds_a_flipped_bit(
+    server: Server, root: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    window = 16384
+    monkeypatch.setattr(remote_read, "WINDOW_BYTES", window)
+    with manager(root, server.storage_options()) as mgr:
+        assert mgr.save(1, make_state(1, size=65536))
+    storage = CheckpointStorage(root, server.storage_options())
+    record = storage.read_record(1)
+    (data,) = [entry for entry in record.files if entry.path.endswith(".distcp")]
+    with manager(root, server.storage_options(proxy.url)) as mgr:
+        proxy.clear()
+        mgr.verify(1, deep=True)
+        assert proxy.count(is_data_read) == -(-data.size // window)
+        path = f"{storage.step_path(1)}/{data.path}"
+        damaged = bytearray(storage.fs.cat_file(path))
+        damaged[data.size // 2] ^= 0x01
+        storage.fs.pipe_file(path, bytes(damaged))
+        mgr.verify(1)  # the same size: only the deep check reads the bytes
+        with pytest.raises(CheckpointError, match=r"distcp has CRC-32") as caught:
+            mgr.verify(1, deep=True)
+        assert getattr(caught.value, "path", None) == data.path
