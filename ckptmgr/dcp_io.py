@@ -850,10 +850,10 @@ class RetryingFileSystem(FileSystemBase):
     def write_data_file(
         self, path: str | os.PathLike[str], write: Callable[[tensor_bytes.TensorSink], T]
     ) -> T:
-        """``write(sink)`` into a new data file; returns its result. Uploaded while it is
-        written where the store's uploads go one chunk at a time anyway (GCS: see
-        :mod:`ckptmgr.remote_write`; a failed upload is retried by writing the file again), else
-        spooled and uploaded in one retried call (:meth:`open_data_file`)."""
+        """``write(sink)`` into a new data file; returns its result. On GCS and S3 uploaded
+        while it is written (:mod:`ckptmgr.remote_write`; a failed upload is retried by writing
+        the file again), elsewhere spooled and uploaded in one retried call
+        (:meth:`open_data_file`)."""
         if not uploads_while_writing(self.fs):
             with self.open_data_file(path) as sink:
                 return write(sink)

@@ -248,16 +248,18 @@ def test_an_interrupted_save_is_cleared_before_the_step_is_written_again(
     assert sizes["__0_0.distcp"] > len(b"half of an old upload")
 
 
-def test_files_larger_than_the_memory_spool_go_through_a_temporary_file(
+def test_data_files_are_sent_whole_through_faults_and_leave_no_temporary_file(
     server: Server,
     root: str,
     proxy: FaultProxy,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
+    """(On GCS and S3 data files never go through the spool: ``test_cloud_uploads.py``; the
+    spool's temporary files of other stores: ``test_a_spooled_data_file_...`` there.)"""
     spool_dir = tmp_path / "spool"
     spool_dir.mkdir()
-    monkeypatch.setattr(dcp_io, "SPOOL_MEMORY_BYTES", 4096)  # every data file spills to disk
+    monkeypatch.setattr(dcp_io, "SPOOL_MEMORY_BYTES", 4096)  # a spooled file would spill
     monkeypatch.setattr(tempfile, "tempdir", str(spool_dir))
     proxy.set_faults(sequence=("503", "reset", "503", "reset"), match=is_data_upload)
     with manager(root, server.storage_options(proxy.url), num_of_threads=2) as mgr:
