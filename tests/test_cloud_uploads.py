@@ -69,10 +69,8 @@ def is_cancel(method: str, path: str) -> bool:
     return method == "DELETE" and ("upload_id=" in path or "uploadId=" in path)
 
 
-@pytest.fixture(name="spools")
-def spools_fixture(server: Server, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Temporary spool files made (a small spool limit and chunk, so that a data file of a
-    few chunks would need either)."""
+def record_temporary_files(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths of the temporary files ``tempfile.mkstemp`` makes from now on."""
     made: list[str] = []
     mkstemp = tempfile.mkstemp
 
@@ -82,6 +80,14 @@ def spools_fixture(server: Server, monkeypatch: pytest.MonkeyPatch) -> list[str]
         return fd, path
 
     monkeypatch.setattr(tempfile, "mkstemp", recording)
+    return made
+
+
+@pytest.fixture(name="spools")
+def spools_fixture(server: Server, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Temporary spool files made (a small spool limit and chunk, so that a data file of a
+    few chunks would need either)."""
+    made = record_temporary_files(monkeypatch)
     monkeypatch.setattr(dcp_io, "SPOOL_MEMORY_BYTES", 64 * 1024)
     monkeypatch.setattr(remote_write, "UPLOAD_CHUNK_BYTES", CHUNK[server.kind])
     monkeypatch.setattr(remote_write, "PARTS_IN_FLIGHT", 2)
@@ -185,15 +191,7 @@ def test_a_spooled_data_file_of_another_store_spills_to_a_temporary_file_then_re
     ``SPOOL_MEMORY_BYTES``, then a temporary file, removed after the upload."""
     spool_dir = tmp_path / "spool"
     spool_dir.mkdir()
-    made: list[str] = []
-    mkstemp = tempfile.mkstemp
-
-    def recording(*args: Any, **kwargs: Any) -> tuple[int, str]:
-        fd, path = mkstemp(*args, **kwargs)
-        made.append(path)
-        return fd, path
-
-    monkeypatch.setattr(tempfile, "mkstemp", recording)
+    made = record_temporary_files(monkeypatch)
     monkeypatch.setattr(tempfile, "tempdir", str(spool_dir))
     monkeypatch.setattr(dcp_io, "SPOOL_MEMORY_BYTES", 64 * 1024)
     with manager(f"memory://spool-{tmp_path.name}", {}) as mgr:
