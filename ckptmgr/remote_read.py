@@ -27,8 +27,8 @@ from ckptmgr.tensor_bytes import OrderedHasher
 
 WINDOW_BYTES = 32 * 2**20
 """Bytes fetched by one ranged read (AWS advises byte-range fetches of 8 to 16 MB; larger ones
-make fewer requests, each a round trip; on the GCS emulator and moto, 32 MiB read a 256 MiB object
-fastest or nearly: docs/benchmarks.md)."""
+make fewer requests, each a round trip; 32 MiB is between the GCS emulator's best, 16 MiB, and
+moto's, 64 MiB: docs/benchmarks.md)."""
 WINDOWS_AHEAD = 4
 """Windows of one file asked for beyond the one being copied out of: the memory a file being read
 holds is at most this many windows, plus the current one and those waiting to be hashed."""
