@@ -199,3 +199,25 @@ def test_a_spooled_data_file_of_another_store_spills_to_a_temporary_file_then_re
         assert restores_bit_exact(mgr, 1, 100_000)
     assert len(made) == 1 and made[0].startswith(str(spool_dir))
     assert list(spool_dir.iterdir()) == []
+
+
+def test_the_checkpoint_daemon_uploads_while_writing_too(
+    server: Server, root: str, proxy: FaultProxy
+) -> None:
+    """``async_mode="process"``: the daemon writes and uploads (at the default chunk size: it
+    is a process of its own), and its steps restore bit-exact."""
+    numel = remote_write.UPLOAD_CHUNK_BYTES * 5 // 4 // 4  # a chunk and a quarter
+    with CheckpointManager(
+        root,
+        1,
+        storage_options=server.storage_options(proxy.url),
+        chkpt_on_preemption=False,
+        async_mode="process",
+    ) as mgr:
+        for step in (1, 2):
+            assert mgr.save_async(step, state_of(step, numel))
+            mgr.join()
+        assert mgr.all_steps() == [1, 2]
+        assert restores_bit_exact(mgr, 2, numel)
+    assert proxy.count(is_upload_start) == 2
+    assert proxy.count(is_chunk) == 4  # two chunks of each step's data file
