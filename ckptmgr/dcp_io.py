@@ -70,7 +70,7 @@ from ckptmgr.integrity import (
 from ckptmgr.kept_results import KeptResults
 from ckptmgr.load_chunks import chunk_stand_ins
 from ckptmgr.metadata_file import MetadataFile
-from ckptmgr.remote_read import RemoteRangeSource
+from ckptmgr.remote_read import RemoteRangeSource, ranged_reads
 from ckptmgr.remote_write import upload_while_writing, uploads_while_writing
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.safe_metadata import load_metadata_safely
@@ -881,14 +881,10 @@ class RetryingFileSystem(FileSystemBase):
         else:
             size = self.retrier.call(f"size of {path}", self._fresh_size, path)
 
-        def fetch(start: int, end: int) -> bytes:
-            return self.retrier.call(
-                f"read {path} [{start}:{end}]", self.fs.cat_file, path, start=start, end=end
-            )
-
         def check(size: int, crc: int) -> None:
             check_content(name, self.expected, size, crc)
 
+        fetch = ranged_reads(self.fs, path, self.retrier.call)
         with RemoteRangeSource(fetch, size, name, check, hash_inline=hash_inline) as source:
             yield source
 

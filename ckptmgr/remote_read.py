@@ -59,6 +59,17 @@ Fetch = Callable[[int, int], bytes]
 file ends first; retried by the caller's policy."""
 
 
+def ranged_reads(fs: Any, path: str, retried: Callable[..., Any]) -> Fetch:
+    """The :data:`Fetch` of ``path`` on the fsspec file system ``fs``: ``fs.cat_file`` of each
+    range, called through ``retried(what, function, *args, **kwargs)`` (a retry policy)."""
+
+    def fetch(start: int, end: int) -> bytes:
+        # (keywords: s3fs's cat_file takes a version id second)
+        return retried(f"read {path} [{start}:{end}]", fs.cat_file, path, start=start, end=end)
+
+    return fetch
+
+
 class RemoteRangeSource:
     """A :class:`ckptmgr.tensor_bytes.TensorSource` over a remote file of ``size`` bytes, read
     through ``fetch``; ``check(size, crc)`` raises ``CorruptCheckpointError`` when the whole

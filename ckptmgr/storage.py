@@ -59,7 +59,7 @@ from ckptmgr.record import (
     NewerFormatError,
     utc_now,
 )
-from ckptmgr.remote_read import crc32_of_remote
+from ckptmgr.remote_read import crc32_of_remote, ranged_reads
 from ckptmgr.retry import Retrier, RetryConfig, client_class, client_options, http_status
 
 log = logging.getLogger(__name__)
@@ -392,12 +392,7 @@ class CheckpointStorage:
         if self.is_local:
             with open(path, "rb") as handle:
                 return crc32_of_stream(handle)
-
-        def fetch(start: int, end: int) -> bytes:
-            read = self.fs.cat_file  # (keywords: s3fs's takes a version id second)
-            return self._call(f"read {path} [{start}:{end}]", read, path, start=start, end=end)
-
-        return crc32_of_remote(fetch, size, name)
+        return crc32_of_remote(ranged_reads(self.fs, path, self._call), size, name)
 
     # -- quarantine --------------------------------------------------------------------------
     def quarantine(self, step: int, reason: str) -> None:
