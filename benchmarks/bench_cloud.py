@@ -10,7 +10,10 @@ Runs the GCS emulator (``gcp-storage-emulator``) and moto's S3 server as process
 * ``ckptmgr restore``: in place, of the step the last save wrote.
 
 The state is ``--mib`` MiB in ``--tensors`` float32 tensors, plus ``--small`` tensors of 1 KiB;
-``--num-of-threads`` is the manager's (data files per save).
+``--num-of-threads`` is the manager's (data files per save). ``--rtt-ms`` puts a proxy in
+front of the server that delays every byte by half that in each direction
+(`benchmarks/_latency_proxy.py`): requests made one after another then cost what they would
+against a bucket that far away, raw transfers included.
 The servers are Python processes on the same machine as the client: their own cost per request
 and per byte is in every number, so the ratios compare how ckptmgr moves the bytes (requests,
 ranges, local copies) with the simplest transfer, not the speed of a real bucket.
@@ -34,7 +37,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fsspec  # noqa: E402
+from _latency_proxy import latency_proxy  # noqa: E402  (this script's folder is on sys.path)
 
 from ckptmgr import CheckpointManager  # noqa: E402
 
@@ -76,8 +80,9 @@ def _wait_until_answers(url: str, process: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def object_store(kind: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """A running server: (the bench's root URL, the fsspec options that reach it)."""
+def object_store(kind: str, rtt_s: float) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A running server, ``rtt_s`` away: (the bench's root URL, the fsspec options that
+    reach it)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     if kind == "gcs":
@@ -85,18 +90,21 @@ def object_store(kind: str) -> Iterator[tuple[str, dict[str, Any]]]:
         command += ["--port", str(port), "--in-memory", "-q", "--default-bucket", BUCKET]
         probe = f"{url}/storage/v1/b/{BUCKET}"
         os.environ["STORAGE_EMULATOR_HOST"] = url
-        options: dict[str, Any] = {"token": "anon", "project": "bench"}
     else:
         command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
         probe = f"{url}/moto-api/"
-        options = {"key": "testing", "secret": "testing", "endpoint_url": url}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_until_answers(probe, process)
-        scheme = "gs" if kind == "gcs" else "s3"
-        if kind == "s3":
-            fsspec.filesystem("s3", **options).mkdir(BUCKET)
-        yield f"{scheme}://{BUCKET}/run", options
+        with latency_proxy(url, rtt_s / 2) if rtt_s > 0 else nullcontext(url) as endpoint:
+            if kind == "gcs":
+                options: dict[str, Any] = {"token": "anon", "project": "bench"}
+                options["endpoint_url"] = endpoint
+            else:
+                options = {"key": "testing", "secret": "testing", "endpoint_url": endpoint}
+                fsspec.filesystem("s3", **options).mkdir(BUCKET)
+            scheme = "gs" if kind == "gcs" else "s3"
+            yield f"{scheme}://{BUCKET}/run", options
     finally:
         process.terminate()
         try:
@@ -120,7 +128,7 @@ def run_store(kind: str, args: argparse.Namespace) -> dict[str, list[float]]:
     state = make_state(args.mib, args.tensors, args.small)
     blob = b"".join(bytes(t.numpy().tobytes()) for t in state.values())
     times: dict[str, list[float]] = {name: [] for name in (*KINDS, "save_async blocking")}
-    with object_store(kind) as (root, options):
+    with object_store(kind, args.rtt_ms / 1000) as (root, options):
         fs = fsspec.filesystem(root.split(":")[0], **options)
         raw_path = f"{BUCKET}/raw/blob"
         target = {name: torch.zeros_like(value) for name, value in state.items()}
@@ -186,6 +194,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--stores", default="gcs,s3")
     parser.add_argument("--num-of-threads", type=int, default=1, help="data files per save")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="added round trip")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = {}
@@ -196,7 +205,7 @@ def main() -> None:
         upload, download = median["raw upload"], median["raw download"]
         print(
             f"{kind}: {args.mib} MiB in {args.tensors} tensors + {args.small} of 1 KiB, "
-            f"num_of_threads={args.num_of_threads}"
+            f"num_of_threads={args.num_of_threads}, round trip +{args.rtt_ms:g} ms"
         )
         for name, seconds in median.items():
             if name == "save_async blocking":
