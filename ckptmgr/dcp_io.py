@@ -344,8 +344,9 @@ class _RawTensorWriter:
     thread_count: int
     checksums: ChecksumLog | None = None
     small_files: Mapping[str, bytes] = MappingProxyType({})
-    """Files of this rank that the writer writes beside its data files (name -> bytes; the
-    objects file, written from the checkpoint daemon in process mode): local writers only."""
+    """Files of this rank that the writer writes beside its data files (name -> bytes: the
+    objects file; from the checkpoint daemon in process mode): on an object store at the same
+    time as the data files, elsewhere before them."""
     commit: Callable[[dcp_metadata.Metadata], Any] | None = None
     """Called by :meth:`finish` with the finished metadata (listing and checksums on it) to
     commit the step where it was written; what it returns goes on the metadata as
@@ -357,8 +358,6 @@ class _RawTensorWriter:
     None: DCP's own ``finish`` pickles it whole."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        for small_name, data in self.small_files.items():  # (the directory exists by now)
-            self.fs.write_small_file(self.fs.concat_path(self.path, small_name), data)
         prefix = plan.storage_data.prefix
         pickled = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
         if pickled:
@@ -368,14 +367,23 @@ class _RawTensorWriter:
             for number, bucket in enumerate(_balanced(self.thread_count, plan.items))
         ]
         results: list[WriteResult] = []
-        if len(jobs) <= 1:
+        # On an object store each small file is a request, a round trip: sent beside the data
+        # files. On a disk, written first, here (no thread for a write of milliseconds).
+        beside = bool(self.small_files) and getattr(self.fs, "object_store", False)
+        if self.small_files and not beside:
+            self._write_small_files()
+        workers = len(jobs) + (1 if beside else 0)
+        if workers <= 1:
             for name, items in jobs:
                 results.extend(self._write_file(planner, name, items))
-        else:
-            with ThreadPoolExecutor(len(jobs), thread_name_prefix="ckptmgr-write") as pool:
+        else:  # (a failure waits for every other write to end: none goes on after it)
+            with ThreadPoolExecutor(workers, thread_name_prefix="ckptmgr-write") as pool:
+                small = pool.submit(self._write_small_files) if beside else None
                 futures = [pool.submit(self._write_file, planner, *job) for job in jobs]
                 for future in futures:
                     results.extend(future.result())
+                if small is not None:
+                    small.result()
         if self.checksums is not None:  # this rank's files, for finish() on the coordinator
             names = {name for name, _ in jobs} | set(self.small_files)
             written = {n: v for n, v in self.checksums.snapshot().items() if n in names}
@@ -450,6 +458,11 @@ class _RawTensorWriter:
                 except (AttributeError, io.UnsupportedOperation):
                     os.sync()  # (as DCP: a stream without a descriptor)
         self.fs.replace(temporary, self.fs.concat_path(self.path, _METADATA_FILE))
+
+    def _write_small_files(self) -> None:
+        """Write :attr:`small_files` (the directory exists by now)."""
+        for name, data in self.small_files.items():
+            self.fs.write_small_file(self.fs.concat_path(self.path, name), data)
 
     def _write_file(
         self, planner: SavePlanner, name: str, items: list[WriteItem]
@@ -821,6 +834,14 @@ class RetryingFileSystem(FileSystemBase):
         else:
             assert spool.file_path is not None
             self.retrier.call(f"upload {path}", self.fs.put_file, spool.file_path, path)
+
+    def write_small_file(self, path: str | os.PathLike[str], data: bytes) -> None:
+        """Upload ``data`` as a new file at ``path`` in one retried request; its checksum is
+        logged."""
+        path = os.fspath(path)
+        self.retrier.call(f"upload {path}", self.fs.pipe_file, path, data)
+        if self.checksums is not None:
+            self.checksums.add(_relative(self.root, path), len(data), crc32(data))
 
     def _download(self, path: str) -> tuple[IO[bytes], int, int]:
         """(the file's bytes in a local spool, its size, its CRC-32), hashed while copying."""

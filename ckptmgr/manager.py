@@ -662,17 +662,11 @@ class CheckpointManager:
             )
         # name -> (size, CRC-32) of every file this rank wrote, computed while writing it
         checksums: dict[str, tuple[int, int]] = {}
-        objects_name = objects_file_name(comm.rank)
-        small_files: dict[str, bytes] = {}  # written by the DCP writer (locally)
-        try:
+        small_files: dict[str, bytes] = {}  # written by the DCP writer beside the data files
+        try:  # (from the daemon in process mode)
+            small_files[objects_file_name(comm.rank)] = json_bytes(request.objects)
             if not comm.is_coordinator:
                 storage.ensure_dir(write_dir)  # retried; no-op on object stores
-            if storage.is_local:  # beside the data, from the daemon in process mode
-                small_files[objects_name] = json_bytes(request.objects)
-            else:
-                checksums[objects_name] = storage.write_json(
-                    f"{write_dir}/{objects_name}", request.objects
-                )
         except Exception as exc:
             local_error = local_error or exc
         dcp_metadata = None

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -114,6 +115,21 @@ def open_filesystem(
         return fsspec.core.url_to_fs(url, **options)
     kwargs = {**cls._get_kwargs_from_urls(url), **client_options(cls, options)}
     return cls(**kwargs), cls._strip_protocol(url)
+
+
+def find_files(
+    fs: AbstractFileSystem, path: str, *, likely_empty: bool = False
+) -> dict[str, dict[str, Any]]:
+    """``fs.find(path, detail=True)``. ``likely_empty`` (a new step's directory): on S3 one
+    listing of the parent's keys that start with ``<name>/``, where s3fs' ``find`` of a path
+    with nothing under it asks twice more whether the path is a file or a directory. (Not for
+    every listing: s3fs keeps what a plain ``find`` lists, and later reads of those files then
+    skip a request for their size.)"""
+    s3fs = sys.modules.get("s3fs")
+    parent, _, name = path.rstrip("/").rpartition("/")
+    if likely_empty and s3fs is not None and isinstance(fs, s3fs.S3FileSystem) and parent:
+        return fs.find(parent, prefix=f"{name}/", detail=True)  # type: ignore[no-any-return]
+    return fs.find(path, detail=True)  # type: ignore[no-any-return]
 
 
 def is_object_store(fs: AbstractFileSystem) -> bool:
@@ -252,20 +268,23 @@ class CheckpointStorage:
                     (committed if parts[1] == RECORD_NAME else quarantined).add(step)
         return committed, quarantined
 
-    def _find(self, path: str) -> dict[str, dict[str, Any]]:
-        """Every file under ``path`` (relative path -> info), listed fresh, with retries."""
+    def _find(self, path: str, *, likely_empty: bool = False) -> dict[str, dict[str, Any]]:
+        """Every file under ``path`` (relative path -> info), listed fresh, with retries
+        (``likely_empty``: see :func:`find_files`)."""
         prefix = path.rstrip("/") + "/"
 
         def listing() -> dict[str, dict[str, Any]]:
             self.fs.invalidate_cache(path)
             try:
-                found = self.fs.find(path, detail=True)
+                found = find_files(self.fs, path, likely_empty=likely_empty)
             except FileNotFoundError:
                 return {}
             return {
                 name[len(prefix) :]: info
                 for name, info in found.items()
-                if name.startswith(prefix) and info.get("type", "file") != "directory"
+                if name.startswith(prefix)
+                and len(name) > len(prefix)  # (not a "directory" placeholder object)
+                and info.get("type", "file") != "directory"
             }
 
         return self._call(f"list {path}", listing)
@@ -474,7 +493,7 @@ class CheckpointStorage:
         if self.is_local:
             os.makedirs(path, exist_ok=True)  # (fsspec's makedirs: 4x the time, GIL held)
             return
-        existing = self._find(path)
+        existing = self._find(path, likely_empty=True)
         if RECORD_NAME in existing and QUARANTINE_NAME in existing:
             step = parse_step_dir_name(path.rstrip("/").rsplit("/", 1)[-1])
             if step is not None:
@@ -494,12 +513,6 @@ class CheckpointStorage:
             os.makedirs(path, exist_ok=True)
         elif not self.is_object_store:
             self._call(f"create {path}", self.fs.makedirs, path, exist_ok=True)
-
-    def write_json(self, path: str, payload: Any) -> tuple[int, int]:
-        """Write a JSON document (fsynced on local disks); returns its (size, CRC-32)."""
-        data = json_bytes(payload)
-        self._write_bytes(path, data)
-        return len(data), crc32(data)
 
     def _write_bytes(self, path: str, data: bytes) -> None:
         if self.is_local:

@@ -770,7 +770,6 @@ def test_the_daemon_writes_the_objects_file_beside_the_data(
     def refused(self: Any, path: Any, *args: Any) -> None:
         raise AssertionError(f"the training process wrote {path}")
 
-    monkeypatch.setattr(CheckpointStorage, "write_json", refused)
     monkeypatch.setattr(ChecksummingFileSystem, "write_small_file", refused)
     state = {"tensors": tensor_state(45, "base"), "epoch": 7, "run": {"name": "b", "lr": 0.5}}
     expected = copy.deepcopy(state)
