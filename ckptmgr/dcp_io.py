@@ -27,6 +27,7 @@ import threading
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,7 +71,7 @@ from ckptmgr.integrity import (
 from ckptmgr.kept_results import KeptResults
 from ckptmgr.load_chunks import chunk_stand_ins
 from ckptmgr.metadata_file import MetadataFile
-from ckptmgr.remote_read import RemoteRangeSource, ranged_reads
+from ckptmgr.remote_read import WINDOW_BYTES, RemoteRangeSource, ranged_reads, read_whole_ahead
 from ckptmgr.remote_write import upload_while_writing, uploads_while_writing
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.safe_metadata import load_metadata_safely
@@ -773,6 +774,7 @@ class RetryingFileSystem(FileSystemBase):
         self.checksums = checksums
         self.expected = expected
         self._held: dict[str, _Spool] = {}
+        self._ahead: dict[str, ConcurrentFuture[bytes]] = {}  # path -> its bytes, being read ahead
         self._lock = threading.Lock()
 
     reopen: tuple[str, dict[str, Any], RetryConfig] | None = None
@@ -783,6 +785,7 @@ class RetryingFileSystem(FileSystemBase):
         state = self.__dict__.copy()  # sent to a checkpoint daemon before any file is held
         del state["_lock"]
         state["_held"] = {}
+        state["_ahead"] = {}
         if self.reopen is not None:
             del state["fs"]
         return state
@@ -798,7 +801,16 @@ class RetryingFileSystem(FileSystemBase):
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         path = os.fspath(path)
         if "r" in mode:
-            stream, size, crc = self.retrier.call(f"read {path}", self._download, path)
+            entry = None if self.expected is None else self.expected.get(_relative(self.root, path))
+            with self._lock:
+                ahead = self._ahead.get(path)
+            if ahead is not None:
+                data = ahead.result()
+                stream, size, crc = io.BytesIO(data), len(data), crc32(data)
+            elif entry is not None and entry.size > 0:
+                stream, size, crc = self._download_known(path, entry.size)
+            else:
+                stream, size, crc = self.retrier.call(f"read {path}", self._download, path)
             try:
                 check_content(_relative(self.root, path), self.expected, size, crc)
             except BaseException:
@@ -842,6 +854,37 @@ class RetryingFileSystem(FileSystemBase):
         self.retrier.call(f"upload {path}", self.fs.pipe_file, path, data)
         if self.checksums is not None:
             self.checksums.add(_relative(self.root, path), len(data), crc32(data))
+
+    def read_ahead(self, path: str | os.PathLike[str]) -> None:
+        """Start reading ``path``, a file the commit record gives the size of (one ranged read:
+        files of up to ``WINDOW_BYTES``; else nothing is started), for the next
+        ``create_stream`` of it on this file system to use (and check, as ever)."""
+        path = os.fspath(path)
+        entry = None if self.expected is None else self.expected.get(_relative(self.root, path))
+        if entry is None or not 0 < entry.size <= WINDOW_BYTES:
+            return
+        with self._lock:
+            if path not in self._ahead:
+                fetch = ranged_reads(self.fs, path, self.retrier.call)
+                self._ahead[path] = read_whole_ahead(fetch, entry.size)
+
+    def _download_known(self, path: str, size: int) -> tuple[IO[bytes], int, int]:
+        """(the file's bytes, its size, its CRC-32) of a file whose record gives its ``size``:
+        read by ranged reads, each retried, as data files are (:mod:`ckptmgr.remote_read`),
+        which need no request for its size first (two on S3 and four on GCS for an ``open``).
+        ``CorruptCheckpointError`` where it is shorter or longer."""
+        found: list[tuple[int, int]] = []
+
+        def keep(size: int, crc: int) -> None:
+            found.append((size, crc))
+
+        name = _relative(self.root, path)
+        data = bytearray(size)
+        fetch = ranged_reads(self.fs, path, self.retrier.call)
+        with RemoteRangeSource(fetch, size, name, keep, hash_inline=True) as source:
+            source.read_into(0, memoryview(data), None)
+            source.finish()
+        return io.BytesIO(data), *found[0]
 
     def _download(self, path: str) -> tuple[IO[bytes], int, int]:
         """(the file's bytes in a local spool, its size, its CRC-32), hashed while copying."""
@@ -1026,9 +1069,10 @@ class SafeRetryingFsspecReader(_RawTensorReader, _SafeMetadataMixin, FsspecReade
         *,
         expected: Mapping[str, Expected] | None = None,
         raw: bool = True,
+        file_system: RetryingFileSystem | None = None,
     ) -> None:
         FileSystemReader.__init__(self, path)
-        self.fs = RetryingFileSystem(
+        self.fs = file_system or RetryingFileSystem(
             fs, retrier, object_store=is_object_store(fs), root=path, expected=expected
         )
         self.path = path
@@ -1098,6 +1142,7 @@ def make_reader(
     retry: RetryConfig | None = None,
     expected: Mapping[str, Expected] | None = None,
     raw: bool = True,
+    beside: Any = None,
 ) -> SafeFileSystemReader | SafeRetryingFsspecReader:
     """A DCP reader for one committed step directory (retried reads on remote stores).
 
@@ -1106,12 +1151,25 @@ def make_reader(
     as it is read into the destination tensors (after such an error they may hold part of the
     step); a remote one is downloaded and checked before any of it is used. ``raw``: the step's
     data files hold raw tensor bytes (record format 2; see :func:`ckptmgr.record.is_raw`).
+    ``beside``: another reader of the step, whose remote file system (and the files it reads
+    ahead, :func:`read_metadata_ahead`) this one shares.
     """
     if local:
         return SafeFileSystemReader(url_or_path, expected=expected, raw=raw)
     config = retry or RetryConfig()
     fs, _ = open_filesystem(url_or_path, storage_options, config)
-    return SafeRetryingFsspecReader(url_or_path, fs, Retrier(config), expected=expected, raw=raw)
+    shared = beside.fs if isinstance(beside, SafeRetryingFsspecReader) else None
+    return SafeRetryingFsspecReader(
+        url_or_path, fs, Retrier(config), expected=expected, raw=raw, file_system=shared
+    )
+
+
+def read_metadata_ahead(reader: Any) -> None:
+    """Start reading the step's ``.metadata`` for ``reader`` (made by :func:`make_reader`) on a
+    remote store, where it is a round trip that need not wait for the restore's other requests
+    (a local read is left to the load)."""
+    if isinstance(reader, SafeRetryingFsspecReader):
+        reader.fs.read_ahead(reader.fs.concat_path(reader.path, _METADATA_FILE))
 
 
 def save_tensors(

@@ -1161,16 +1161,20 @@ class CheckpointManager:
             record = self._storage.read_record(step)
             expected = expected_files(record.files, step=step) if record.files else None
             raw = is_raw(record)
-            self._storage.check_sizes(step, record)  # every file, one listing
-            if not self._comm.distributed:  # (DCP's load is collective under distributed)
-                pack_read = self._read_pack_ahead(step, record, expected, raw)
-                if pack_read is not None:
-                    pack_reads.append(pack_read)
             own_objects = objects_file_name(self._comm.rank)
             objects_rank = self._comm.rank if own_objects in record.object_files else 0
-            saved_objects = self._storage.read_objects(
-                step, objects_file_name(objects_rank), expected
-            )
+            objects_name = objects_file_name(objects_rank)
+            # On a remote store, .metadata and the plain values are read beside the listing
+            objects_ahead = self._storage.read_ahead(step, objects_name, expected)
+            reader = self._step_reader(step, expected, raw)
+            dcp_io.read_metadata_ahead(reader)
+            if not self._comm.distributed:  # (DCP's load is collective under distributed)
+                # (into a buffer of its own: started before the listing, which it overlaps)
+                pack_read = self._read_pack_ahead(step, record, expected, raw, reader)
+                if pack_read is not None:
+                    pack_reads.append(pack_read)
+            self._storage.check_sizes(step, record)  # every file, one listing
+            saved_objects = self._storage.read_objects(step, objects_name, expected, objects_ahead)
             plan = plan_restore(
                 state_dict, record.tensor_table.names, saved_objects, self._comm.rank, objects_rank
             )
@@ -1180,7 +1184,6 @@ class CheckpointManager:
             # Work the caller still has queued on the destinations (on any stream) ends before
             # anything is written into them; here, so that a failure is agreed on like others.
             wait_for_devices(plan.tensors.values())
-            reader = self._step_reader(step, expected, raw)
         except Exception as exc:
             plan_error = exc
         # DCP's load is collective: every rank learns first whether any rank could not match its
@@ -1259,17 +1262,18 @@ class CheckpointManager:
         unpack()
 
     def _read_pack_ahead(
-        self, step: int, record: CommitRecord, expected: Any, raw: bool
+        self, step: int, record: CommitRecord, expected: Any, raw: bool, beside: Any
     ) -> PackReadAhead | None:
         """Start reading the pack of ``step`` (see :mod:`ckptmgr.pack_read_ahead`) with a
-        reader of its own; None when the step has no pack or its record lists no data file."""
+        reader of its own (sharing the files read ahead by ``beside``, the restore's); None when
+        the step has no pack or its record lists no data file."""
         file_sizes = {entry.path: entry.size for entry in record.files}
-        reader = self._step_reader(step, expected, raw)
+        reader = self._step_reader(step, expected, raw, beside)
         return PackReadAhead.start(
             record.tensor_table, reader, file_sizes, local=self._storage.is_local
         )
 
-    def _step_reader(self, step: int, expected: Any, raw: bool) -> Any:
+    def _step_reader(self, step: int, expected: Any, raw: bool, beside: Any = None) -> Any:
         """A DCP reader of ``step``'s files (see :func:`ckptmgr.dcp_io.make_reader`)."""
         return dcp_io.make_reader(
             self._storage.url_for(self._storage.step_path(step)),
@@ -1278,6 +1282,7 @@ class CheckpointManager:
             retry=self._storage.retry,
             expected=expected,
             raw=raw,
+            beside=beside,
         )
 
     def _agree_on_restore(self, step: int, error: Exception | None, group: Any) -> None:

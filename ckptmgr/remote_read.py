@@ -59,6 +59,13 @@ Fetch = Callable[[int, int], bytes]
 file ends first; retried by the caller's policy."""
 
 
+def read_whole_ahead(fetch: Fetch, size: int) -> Future[bytes]:
+    """Start fetching a file of ``size`` bytes (one window at most: one ranged read, retried by
+    ``fetch``) on the fetch threads; its bytes, with one more where the file goes on past
+    ``size`` (servers end a range at the end of the object): checked by the caller."""
+    return _fetch_pool().submit(fetch, 0, size + 1)
+
+
 def ranged_reads(fs: Any, path: str, retried: Callable[..., Any]) -> Fetch:
     """The :data:`Fetch` of ``path`` on the fsspec file system ``fs``: ``fs.cat_file`` of each
     range, called through ``retried(what, function, *args, **kwargs)`` (a retry policy)."""

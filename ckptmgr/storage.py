@@ -33,6 +33,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -60,7 +61,7 @@ from ckptmgr.record import (
     NewerFormatError,
     utc_now,
 )
-from ckptmgr.remote_read import crc32_of_remote, ranged_reads
+from ckptmgr.remote_read import WINDOW_BYTES, crc32_of_remote, ranged_reads, read_whole_ahead
 from ckptmgr.retry import Retrier, RetryConfig, client_class, client_options, http_status
 
 log = logging.getLogger(__name__)
@@ -321,16 +322,34 @@ class CheckpointStorage:
             )
         return record
 
+    def read_ahead(
+        self, step: int, name: str, expected: Mapping[str, Expected] | None
+    ) -> Future[bytes] | None:
+        """Start reading the file ``name`` of a committed step on a remote store, where it is a
+        round trip that need not wait for others (one ranged read of the size its record gives,
+        for :meth:`read_objects`' ``ahead``); None on a local disk, or where the record gives no
+        size or more than one read's worth."""
+        entry = None if expected is None else expected.get(name)
+        if self.is_local or entry is None or not 0 < entry.size <= WINDOW_BYTES:
+            return None
+        fetch = ranged_reads(self.fs, self.path(step_dir_name(step), name), self._retrier.call)
+        return read_whole_ahead(fetch, entry.size)
+
     def read_objects(
-        self, step: int, name: str, expected: Mapping[str, Expected] | None = None
+        self,
+        step: int,
+        name: str,
+        expected: Mapping[str, Expected] | None = None,
+        ahead: Future[bytes] | None = None,
     ) -> dict[str, Any]:
         """One plain-values file of a committed step, as stored (still encoded).
 
         With ``expected`` (the commit record's files), its size and CRC-32 are checked first.
+        ``ahead``: its bytes being read (:meth:`read_ahead`).
         """
         path = self.path(step_dir_name(step), name)
         try:
-            raw = self._read_bytes(path)
+            raw = self._read_bytes(path) if ahead is None else ahead.result()
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(
                 f"{path} is missing: the checkpoint is damaged", path=name, step=step

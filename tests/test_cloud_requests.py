@@ -3,12 +3,16 @@
 A bucket is tens of milliseconds away: a save or restore of a small state costs about one round
 trip per request made in turn. Against the GCS emulator and moto's S3 server on 127.0.0.1,
 through the counting proxy, holding some requests to show what is sent while they wait: the
-objects file goes up beside the data file, and a new step's directory is listed in one request
-on S3.
+objects file goes up beside the data file, a new step's directory is listed in one request on
+S3, and a restore reads ``.metadata`` and the plain values by one ranged read each, beside the
+listing that checks the step's files (and the pack of small tensors, into a buffer of its own),
+and nothing of the data into the state before that listing's check.
 """
 
 from __future__ import annotations
 
+import re
+import threading
 from typing import Any
 
 import pytest
@@ -26,7 +30,8 @@ from _cloud_servers import (  # noqa: F401  (the *_fixture functions are fixture
 
 require_cloud_modules()
 
-from ckptmgr import CheckpointManager  # noqa: E402
+from ckptmgr import CheckpointManager, CorruptCheckpointError  # noqa: E402
+from ckptmgr.storage import CheckpointStorage  # noqa: E402
 
 pytestmark = [pytest.mark.cloud, pytest.mark.timeout(240)]
 WAIT_S = 60.0
@@ -65,8 +70,17 @@ def is_data_read(method: str, path: str) -> bool:
     return method == "GET" and ".distcp" in path
 
 
-def touches_metadata(method: str, path: str) -> bool:
-    return ".metadata" in path
+def is_small_file_read(method: str, path: str) -> bool:
+    """A read of ``.metadata`` or of a plain-values file."""
+    return method == "GET" and (".metadata" in path or "objects-rank" in path)
+
+
+def large_tensors(seed: int) -> dict[str, Any]:
+    """A state of a few large tensors (no pack) and a plain value."""
+    generator = torch.Generator().manual_seed(seed)
+    state: dict[str, Any] = {f"w{i}": torch.randn(50_000, generator=generator) for i in range(3)}
+    state["epoch"] = seed
+    return state
 
 
 def test_the_objects_file_is_sent_while_the_data_file_is_uploaded(
@@ -107,3 +121,80 @@ def test_a_new_step_is_listed_with_one_request_on_s3(
     assert heads == []
     # one before writing (nothing there yet), one before the commit (the files' sizes)
     assert len(step_listings) == 2, step_listings
+
+
+@pytest.mark.parametrize("make", [small_tensors, large_tensors], ids=["pack", "no-pack"])
+def test_a_restore_reads_metadata_and_plain_values_in_one_request_each(
+    server: Server, root: str, proxy: FaultProxy, make: Any
+) -> None:
+    state = make(3)
+    with manager(root, server.storage_options(proxy.url)) as mgr:
+        assert mgr.save(1, state)
+        target = blank(state)
+        proxy.clear()
+        mgr.restore(1, target)
+        assert same(target, state)
+        asked = sorted(
+            (s.method, s.path) for s in proxy.seen if is_small_file_read(s.method, s.path)
+        )
+        assert len(asked) == 2, asked
+        assert [s.path for s in proxy.seen if s.method == "HEAD"] == []
+
+
+@pytest.mark.parametrize("make", [small_tensors, large_tensors], ids=["pack", "no-pack"])
+def test_the_step_is_listed_while_its_small_files_are_read_and_nothing_reaches_the_state(
+    server: Server, root: str, proxy: FaultProxy, make: Any
+) -> None:
+    """The listing that checks every file's size, the reads of ``.metadata`` and the plain
+    values, and the read of a pack into a buffer of its own, are at the store together; no
+    other data is read, and nothing reaches the state, before the listing's check passed."""
+    state = make(4)
+    packed = make is small_tensors
+    with manager(root, server.storage_options(proxy.url)) as mgr:
+        assert mgr.save(1, state)
+        target = blank(state)
+        errors: list[BaseException] = []
+
+        def restore() -> None:
+            try:
+                mgr.restore(1, target)
+            except BaseException as exc:  # (asserted on below)
+                errors.append(exc)
+
+        proxy.clear()
+        proxy.hold(is_listing)
+        thread = threading.Thread(target=restore)
+        thread.start()
+        try:
+            assert proxy.wait_for(is_listing, 1, timeout=WAIT_S)
+            assert proxy.wait_for(is_small_file_read, 2, timeout=WAIT_S)
+            if packed:
+                assert proxy.wait_for(is_data_read, 1, timeout=WAIT_S)
+            else:
+                assert proxy.count(is_data_read) == 0
+            assert same(target, blank(state))  # the listing is not answered: nothing copied
+        finally:
+            proxy.release()
+            thread.join(WAIT_S)
+        assert not thread.is_alive() and errors == []
+        assert same(target, state)
+
+
+@pytest.mark.parametrize("name", [".metadata", "objects-rank00000.json"])
+def test_a_small_file_with_a_flipped_bit_fails_the_restore(
+    server: Server, root: str, name: str
+) -> None:
+    """``.metadata`` and the plain values, each read ahead by one ranged read, are checked
+    against the record's CRC-32 before anything of them is used."""
+    state = small_tensors(5)
+    with manager(root, server.storage_options()) as mgr:
+        assert mgr.save(1, state)
+        storage = CheckpointStorage(root, server.storage_options())
+        path = f"{storage.step_path(1)}/{name}"
+        damaged = bytearray(storage.fs.cat_file(path))
+        damaged[len(damaged) // 2] ^= 0x01
+        storage.fs.pipe_file(path, bytes(damaged))
+        target = blank(state)
+        with pytest.raises(CorruptCheckpointError, match=re.escape(name)):
+            mgr.restore(1, target)
+        assert same(target, blank(state))
