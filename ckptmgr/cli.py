@@ -624,9 +624,9 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.step is None:
         steps = storage.committed_steps()
     else:
-        known = set(storage.committed_steps()) | set(storage.quarantined_steps())
-        if args.step not in known:
-            raise StepNotFoundError(args.step, storage.committed_steps())
+        committed, quarantined = storage.listed_steps()
+        if args.step not in {*committed, *quarantined}:
+            raise StepNotFoundError(args.step, committed)
         steps = [args.step]
     report = verify_report(storage, steps, deep=args.deep)
     emit(report, args.json, render_verify)
@@ -645,7 +645,7 @@ def verify_report(storage: CheckpointStorage, steps: Sequence[int], *, deep: boo
     rows = [verify_step(storage, step, deep, step in quarantined) for step in steps]
     deleted: list[int] = []
     if any(not row["ok"] for row in rows):
-        present = set(storage.committed_steps()) | set(storage.quarantined_steps())
+        present = {step for listed in storage.listed_steps() for step in listed}
         deleted = [row["step"] for row in rows if not row["ok"] and row["step"] not in present]
     return {
         "root": storage.url,

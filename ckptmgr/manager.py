@@ -220,8 +220,7 @@ class CheckpointManager:
             try:
                 lease.acquire()
                 self._lease = lease
-                self._storage.remove_leftovers(config.leftover_grace_s)
-                listed = self._storage.committed_steps()
+                listed = self._storage.sweep_and_list(config.leftover_grace_s)
             except BaseException as exc:
                 lease.release()
                 self._lease = None
@@ -1390,7 +1389,7 @@ class CheckpointManager:
         self._check_open()
         step = _checked_step(step)
         storage = self._storage
-        committed, quarantined = storage.committed_steps(), storage.quarantined_steps()
+        committed, quarantined = storage.listed_steps()
         if step not in committed and step not in quarantined:
             raise StepNotFoundError(step, committed)
         record = storage.read_record(step)

@@ -255,13 +255,21 @@ class CheckpointStorage:
         committed, quarantined = self._committed_and_quarantined()
         return sorted(committed & quarantined)
 
-    def _committed_and_quarantined(self) -> tuple[set[int], set[int]]:
-        """(steps with a commit record, steps with a quarantine marker), fresh from storage."""
+    def listed_steps(self) -> tuple[list[int], list[int]]:
+        """(:meth:`committed_steps`, :meth:`quarantined_steps`) from one listing."""
+        committed, quarantined = self._committed_and_quarantined()
+        return sorted(committed - quarantined), sorted(committed & quarantined)
+
+    def _committed_and_quarantined(
+        self, listing: Mapping[str, Any] | None = None
+    ) -> tuple[set[int], set[int]]:
+        """(steps with a commit record, steps with a quarantine marker), fresh from storage
+        (remote: from ``listing``, the root's, when given)."""
         if self.is_local:
             return local_committed_and_quarantined(self.root)
         committed: set[int] = set()
         quarantined: set[int] = set()
-        for relative in self._find(self.root):
+        for relative in self._find(self.root) if listing is None else listing:
             parts = relative.split("/")
             if len(parts) == 2 and parts[1] in (RECORD_NAME, QUARANTINE_NAME):
                 step = parse_step_dir_name(parts[0])
@@ -685,10 +693,10 @@ class CheckpointStorage:
             found.append(Leftover(name=name, path=full, age_s=max(now - newest, 0.0)))
         return sorted(found, key=lambda leftover: leftover.name)
 
-    def _remote_leftovers(self) -> list[Leftover]:
-        """Leftovers from one recursive listing of the root."""
+    def _remote_leftovers(self, listing: Mapping[str, Any] | None = None) -> list[Leftover]:
+        """Leftovers from one recursive listing of the root (``listing``, when given)."""
         groups: dict[str, list[dict[str, Any]]] = {}
-        for relative, info in self._find(self.root).items():
+        for relative, info in (self._find(self.root) if listing is None else listing).items():
             top, _, rest = relative.partition("/")
             if rest:
                 groups.setdefault(top, []).append({**info, "_relative": rest})
@@ -706,11 +714,28 @@ class CheckpointStorage:
             found.append(Leftover(name=name, path=self.path(name), age_s=age))
         return sorted(found, key=lambda leftover: leftover.name)
 
-    def remove_leftovers(self, grace_s: float, keep: Iterable[str] = ()) -> list[str]:
-        """Delete uncommitted data older than ``grace_s`` seconds; returns what was removed."""
+    def sweep_and_list(self, grace_s: float) -> list[int]:
+        """:meth:`remove_leftovers` then :meth:`committed_steps` (opening a manager); on a
+        remote store a root without leftovers is listed once for both."""
+        if self.is_local:
+            self.remove_leftovers(grace_s)
+            return self.committed_steps()
+        listing = self._find(self.root)
+        leftovers = self._remote_leftovers(listing)
+        if not leftovers:
+            committed, quarantined = self._committed_and_quarantined(listing)
+            return sorted(committed - quarantined)
+        self.remove_leftovers(grace_s, found=leftovers)
+        return self.committed_steps()  # (anew: one may have been committed meanwhile)
+
+    def remove_leftovers(
+        self, grace_s: float, keep: Iterable[str] = (), found: list[Leftover] | None = None
+    ) -> list[str]:
+        """Delete uncommitted data older than ``grace_s`` seconds; returns what was removed
+        (``found``: the :meth:`leftovers`, listed just now)."""
         keep_set = set(keep)
         removed = []
-        for leftover in self.leftovers():
+        for leftover in self.leftovers() if found is None else found:
             if leftover.path in keep_set or leftover.age_s is None or leftover.age_s < grace_s:
                 continue
             try:

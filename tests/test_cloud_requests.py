@@ -6,13 +6,15 @@ through the counting proxy, holding some requests to show what is sent while the
 objects file goes up beside the data file, a new step's directory is listed in one request on
 S3, and a restore reads ``.metadata`` and the plain values by one ranged read each, beside the
 listing that checks the step's files (and the pack of small tensors, into a buffer of its own),
-and nothing of the data into the state before that listing's check.
+and nothing of the data into the state before that listing's check. Opening a manager and
+``verify`` list the root once.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -198,3 +200,44 @@ def test_a_small_file_with_a_flipped_bit_fails_the_restore(
         with pytest.raises(CorruptCheckpointError, match=re.escape(name)):
             mgr.restore(1, target)
         assert same(target, blank(state))
+
+
+def is_root_listing(root: str) -> Callable[[str, str], bool]:
+    """A matcher: a listing of everything under ``root`` (not of one step)."""
+    key = root.split("://", 1)[1].split("/", 1)[1]
+
+    def match(method: str, path: str) -> bool:
+        return is_listing(method, path) and (
+            f"prefix={key}/&" in path or f"prefix={key}%2F&" in path
+        )
+
+    return match
+
+
+def test_opening_a_manager_lists_the_root_once_unless_it_removes_leftovers(
+    server: Server, root: str, proxy: FaultProxy
+) -> None:
+    options = server.storage_options(proxy.url)
+    with manager(root, options) as mgr:
+        assert mgr.save(1, small_tensors(1))
+    proxy.clear()
+    with manager(root, options) as mgr:  # nothing left over: one listing for both
+        assert mgr.all_steps() == [1]
+        assert proxy.count(is_root_listing(root)) == 1
+    storage = CheckpointStorage(root, server.storage_options())
+    storage.fs.pipe_file(f"{storage.step_path(2)}/__0_0.distcp", b"an interrupted save")
+    proxy.clear()
+    with CheckpointManager(
+        root, 1, storage_options=options, chkpt_on_preemption=False, leftover_grace_s=0
+    ) as mgr:  # a leftover: removed, and the root listed again
+        assert mgr.all_steps() == [1]
+        assert proxy.count(is_root_listing(root)) == 2
+    assert storage.leftovers() == []
+
+
+def test_verify_lists_the_root_once(server: Server, root: str, proxy: FaultProxy) -> None:
+    with manager(root, server.storage_options(proxy.url)) as mgr:
+        assert mgr.save(1, small_tensors(1))
+        proxy.clear()
+        mgr.verify(1)
+        assert proxy.count(is_root_listing(root)) == 1
