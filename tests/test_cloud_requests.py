@@ -32,7 +32,7 @@ from _cloud_servers import (  # noqa: F401  (the *_fixture functions are fixture
 
 require_cloud_modules()
 
-from ckptmgr import CheckpointManager, CorruptCheckpointError  # noqa: E402
+from ckptmgr import CheckpointManager, CorruptCheckpointError, dcp_io, remote_read  # noqa: E402
 from ckptmgr.storage import CheckpointStorage  # noqa: E402
 
 pytestmark = [pytest.mark.cloud, pytest.mark.timeout(240)]
@@ -241,3 +241,27 @@ def test_verify_lists_the_root_once(server: Server, root: str, proxy: FaultProxy
         proxy.clear()
         mgr.verify(1)
         assert proxy.count(is_root_listing(root)) == 1
+
+
+def test_a_metadata_file_of_several_windows_is_read_by_ranged_reads(
+    server: Server, root: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``.metadata`` larger than one read's worth is not read ahead: it is read when DCP asks
+    for it, in windows, each a ranged read, and checked whole."""
+    monkeypatch.setattr(dcp_io, "WINDOW_BYTES", 128)  # (the limit of what is read ahead)
+    monkeypatch.setattr(remote_read, "WINDOW_BYTES", 256)
+    state = small_tensors(6)
+    with manager(root, server.storage_options(proxy.url)) as mgr:
+        assert mgr.save(1, state)
+        size = next(
+            entry.size
+            for entry in CheckpointStorage(root, server.storage_options()).read_record(1).files
+            if entry.path == ".metadata"
+        )
+        assert size > 3 * 256
+        target = blank(state)
+        proxy.clear()
+        mgr.restore(1, target)
+        assert same(target, state)
+        reads = proxy.count(lambda method, path: method == "GET" and ".metadata" in path)
+        assert reads == -(-size // 256), (reads, size)
