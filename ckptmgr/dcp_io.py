@@ -869,9 +869,9 @@ class RetryingFileSystem(FileSystemBase):
                 self._ahead[path] = read_whole_ahead(fetch, entry.size)
 
     def _download_known(self, path: str, size: int) -> tuple[IO[bytes], int, int]:
-        """(the file's bytes, its size, its CRC-32) of a file whose record gives its ``size``:
-        read by ranged reads, each retried, as data files are (:mod:`ckptmgr.remote_read`),
-        which need no request for its size first (two on S3 and four on GCS for an ``open``).
+        """(the file's bytes, its size, its CRC-32) of a file whose record gives its ``size``,
+        read by ranged reads, each retried, as data files are (:mod:`ckptmgr.remote_read`): no
+        request for its size first, which fsspec's ``open`` makes (on GCS, three).
         ``CorruptCheckpointError`` where it is shorter or longer."""
         found: list[tuple[int, int]] = []
 
