@@ -427,18 +427,17 @@ def test_a_step_deleted_while_restore_latest_reads_it_is_skipped_not_quarantined
     with manager(root) as mgr:
         for step in (1, 2):
             mgr.save(step, state_of(step))
-    original_read_objects = CheckpointStorage.read_objects
+    original_read_record = CheckpointStorage.read_record
     deleted: list[int] = []
 
-    def read_objects_after_a_deletion(
-        self: CheckpointStorage, step: int, *args: object, **kwargs: object
-    ) -> dict[str, object]:
-        if step == 2 and not deleted:  # another job's retention, between listing and reading
-            deleted.append(step)
+    def read_record_then_a_deletion(self: CheckpointStorage, step: int) -> CommitRecord:
+        record = original_read_record(self, step)
+        if step == 2 and not deleted:  # another job's retention, between the record and the
+            deleted.append(step)  # files (which a remote restore starts reading right after it)
             self.fs.rm(self.step_path(step), recursive=True)
-        return original_read_objects(self, step, *args, **kwargs)  # type: ignore[arg-type]
+        return record
 
-    monkeypatch.setattr(CheckpointStorage, "read_objects", read_objects_after_a_deletion)
+    monkeypatch.setattr(CheckpointStorage, "read_record", read_record_then_a_deletion)
     with manager(root) as mgr:
         state = empty_state()
         assert mgr.restore_latest(state) == 1
