@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 import tenacity
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ckptmgr.s3_requests import send_small_bodies_at_once
+
 log = logging.getLogger("ckptmgr.retry")
 
 T = TypeVar("T")
@@ -405,9 +407,14 @@ def _s3_client_class(base: type, config: RetryConfig) -> type:
     call_s3 = base._call_s3
 
     class RetryingS3FileSystem(base):  # type: ignore[misc, valid-type]
-        """s3fs with each API call retried by ckptmgr instead of s3fs' and botocore's loops."""
+        """s3fs with each API call retried by ckptmgr instead of s3fs' and botocore's loops
+        (and small uploads sent without waiting for ``100 Continue``:
+        :mod:`ckptmgr.s3_requests`)."""
 
         retries = 1  # s3fs' own loop: one try
+
+        async def get_s3(self, bucket: str | None = None) -> Any:
+            return send_small_bodies_at_once(await super().get_s3(bucket))
 
         async def _call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
             key = kwargs.get("Key") or kwargs.get("Prefix") or ""

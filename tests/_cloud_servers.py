@@ -212,6 +212,8 @@ class Seen:
     """``"forwarded"``, a status such as ``"503"``, or ``"reset"``."""
     status: int | None = None
     """The status returned to the client (None for a reset)."""
+    expect_continue: bool = False
+    """The request asked for ``100 Continue`` before sending its body."""
 
 
 Matcher = Callable[[str, str], bool]
@@ -410,6 +412,7 @@ class FaultProxy:
             def _proxy(self) -> None:
                 body = self._read_body()
                 seen, held = proxy._decide(self.command, self.path + _upload_name(body))
+                seen.expect_continue = self.headers.get("Expect", "").lower() == "100-continue"
                 action = seen.action
                 if held and (not proxy._released.wait(HOLD_TIMEOUT_S) or proxy._drop_held):
                     self._reset()
