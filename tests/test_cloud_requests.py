@@ -286,3 +286,25 @@ def test_s3_uploads_of_small_bodies_do_not_wait_for_continue(
         assert same(target, state)
     assert puts.keys() == {"objects-rank00000.json", "__0_0.distcp", ".metadata", "commit.json"}
     assert [name for name, s in puts.items() if s.expect_continue] == ["__0_0.distcp"]
+
+
+@pytest.mark.parametrize("name", [".metadata", "objects-rank00000.json"])
+def test_a_read_ahead_is_retried_on_its_own(
+    server: Server, root: str, proxy: FaultProxy, name: str
+) -> None:
+    """Transient errors on the read ahead of ``.metadata`` or of the plain values, more than
+    the request-level tries, re-send that one read (the operation's retries); the restore goes
+    on."""
+    state = small_tensors(8)
+
+    def reads_it(method: str, path: str) -> bool:
+        return method == "GET" and name in path
+
+    with manager(root, server.storage_options(proxy.url)) as mgr:
+        assert mgr.save(1, state)
+        target = blank(state)
+        proxy.set_faults(sequence=("503",) * 4, match=reads_it)  # 3 tries per request
+        mgr.restore(1, target)
+        assert same(target, state)
+        assert proxy.count(reads_it, "503") == 4
+        assert proxy.count(reads_it, "forwarded") == 1
