@@ -621,14 +621,14 @@ def render_inspect(report: Report, out: TextIO) -> None:
 def run_verify(args: argparse.Namespace) -> int:
     """``ckptmgr verify``: check steps against their commit records; status 1 if any is damaged."""
     storage = open_storage(args.path, args.storage_option)
+    committed, quarantined = storage.listed_steps()
     if args.step is None:
-        steps = storage.committed_steps()
+        steps = committed
     else:
-        committed, quarantined = storage.listed_steps()
         if args.step not in {*committed, *quarantined}:
             raise StepNotFoundError(args.step, committed)
         steps = [args.step]
-    report = verify_report(storage, steps, deep=args.deep)
+    report = verify_report(storage, steps, deep=args.deep, quarantined=quarantined)
     emit(report, args.json, render_verify)
     damaged = [row["step"] for row in report["steps"] if not row["ok"]]
     if damaged:
@@ -637,12 +637,19 @@ def run_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def verify_report(storage: CheckpointStorage, steps: Sequence[int], *, deep: bool) -> Report:
+def verify_report(
+    storage: CheckpointStorage,
+    steps: Sequence[int],
+    *,
+    deep: bool,
+    quarantined: Sequence[int] | None = None,
+) -> Report:
     """The JSON document of ``ckptmgr verify``. A step that failed its check and is no longer
     in storage was deleted meanwhile (retention of a job writing the root): it is listed under
-    ``deleted_meanwhile``, not as damaged."""
-    quarantined = set(storage.quarantined_steps())
-    rows = [verify_step(storage, step, deep, step in quarantined) for step in steps]
+    ``deleted_meanwhile``, not as damaged. ``quarantined``: the quarantined steps, listed just
+    now (else listed here)."""
+    marked = set(storage.quarantined_steps() if quarantined is None else quarantined)
+    rows = [verify_step(storage, step, deep, step in marked) for step in steps]
     deleted: list[int] = []
     if any(not row["ok"] for row in rows):
         present = {step for listed in storage.listed_steps() for step in listed}

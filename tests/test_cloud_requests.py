@@ -12,6 +12,7 @@ and nothing of the data into the state before that listing's check. Opening a ma
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from _cloud_servers import (  # noqa: F401  (the *_fixture functions are fixture
 
 require_cloud_modules()
 
-from ckptmgr import CheckpointManager, CorruptCheckpointError, dcp_io, remote_read  # noqa: E402
+from ckptmgr import CheckpointManager, CorruptCheckpointError, cli, dcp_io, remote_read  # noqa: E402
 from ckptmgr.storage import CheckpointStorage  # noqa: E402
 
 pytestmark = [pytest.mark.cloud, pytest.mark.timeout(240)]
@@ -235,11 +236,27 @@ def test_opening_a_manager_lists_the_root_once_unless_it_removes_leftovers(
     assert storage.leftovers() == []
 
 
-def test_verify_lists_the_root_once(server: Server, root: str, proxy: FaultProxy) -> None:
-    with manager(root, server.storage_options(proxy.url)) as mgr:
+def test_verify_lists_the_root_once(
+    server: Server,
+    root: str,
+    proxy: FaultProxy,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``verify`` and ``ckptmgr verify`` take the committed and the quarantined steps from one
+    listing (the command's check that the root exists, which lists it too, left out here)."""
+    monkeypatch.setattr(cli, "open_storage", lambda url, pairs: CheckpointStorage(url, dict(pairs)))
+    options = server.storage_options(proxy.url)
+    with manager(root, options) as mgr:
         assert mgr.save(1, small_tensors(1))
         proxy.clear()
         mgr.verify(1)
+        assert proxy.count(is_root_listing(root)) == 1
+    flags = [f"-o{key}={value}" for key, value in options.items()]
+    for step in ([], ["1"]):  # ckptmgr verify: every step, and one
+        proxy.clear()
+        assert cli.main(["verify", root, *step, "--json", *flags]) == 0
+        assert json.loads(capsys.readouterr().out)["steps"][0]["ok"]
         assert proxy.count(is_root_listing(root)) == 1
 
 
