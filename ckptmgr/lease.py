@@ -60,6 +60,7 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ckptmgr.errors import CheckpointError
+from ckptmgr.retry import http_status, is_s3_class
 
 try:
     import fcntl
@@ -72,6 +73,8 @@ LEASE_NAME = "owner.json"
 LEASE_FORMAT_VERSION = 1
 DEFAULT_TIMEOUT_S = 60.0
 JOB_ID_VARIABLES = ("CKPTMGR_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+S3_READ_BYTES = 1 << 20
+"""The record is read on S3 as a GET of this many bytes at most (records are far smaller)."""
 """Environment variables that name the job, first found wins; else the process is the job."""
 _NO_RUN_ID = "none"
 """What torchrun sets ``TORCHELASTIC_RUN_ID`` to without ``--rdzv-id`` (its default): every such
@@ -657,9 +660,12 @@ def _read(fs: AbstractFileSystem, path: str) -> Owner | None:
 def _read_file(fs: AbstractFileSystem, path: str) -> bytes:
     """The bytes of ``path``, read fresh. On a local disk with the system calls themselves:
     four, where fsspec's ``cat_file`` makes eleven, each a hand-over of the GIL with a
-    Python-bound training loop (the lease is read before every deletion by retention)."""
+    Python-bound training loop (the lease is read before every deletion by retention). On S3
+    as one ranged GET: s3fs' ``cat_file`` of a whole file asks its size first (a HEAD)."""
     if type(fs) is not LocalFileSystem:
         fs.invalidate_cache(path)
+        if is_s3_class(type(fs)):
+            return _read_s3_file(fs, path)
         return bytes(fs.cat_file(path))
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -669,6 +675,20 @@ def _read_file(fs: AbstractFileSystem, path: str) -> bytes:
     finally:
         os.close(fd)
     return b"".join(chunks)
+
+
+def _read_s3_file(fs: AbstractFileSystem, path: str) -> bytes:
+    """``path`` on S3 by a GET of its first ``S3_READ_BYTES`` (all of a record); an empty
+    object, whose range no server can satisfy (HTTP 416), is read as empty."""
+    try:
+        data = bytes(fs.cat_file(path, start=0, end=S3_READ_BYTES))
+    except OSError as exc:
+        if http_status(exc) == 416:
+            return b""
+        raise
+    if len(data) >= S3_READ_BYTES:  # (no record is this long: read it whole all the same)
+        return bytes(fs.cat_file(path))
+    return data
 
 
 def _create_only(fs: AbstractFileSystem, path: str, data: bytes) -> None:

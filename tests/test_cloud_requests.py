@@ -325,3 +325,36 @@ def test_a_read_ahead_is_retried_on_its_own(
         assert same(target, state)
         assert proxy.count(reads_it, "503") == 4
         assert proxy.count(reads_it, "forwarded") == 1
+
+
+def test_s3_owner_lease_reads_ask_no_head(server: Server, root: str, proxy: FaultProxy) -> None:
+    """The owner lease is read when a manager opens and closes and before retention deletes: on
+    S3 each read is one GET (s3fs' plain ``cat_file`` asks a HEAD first)."""
+    if server.kind != "s3":
+        pytest.skip("gcsfs reads a whole file in one request")
+    options = server.storage_options(proxy.url)
+    proxy.clear()
+    with CheckpointManager(
+        root, 1, storage_options=options, chkpt_on_preemption=False, max_to_keep=1
+    ) as mgr:
+        for step in (1, 2):  # the second save deletes the first
+            assert mgr.save(step, small_tensors(step))
+        assert mgr.all_steps() == [2]
+    lease_reads = [s for s in proxy.seen if "owner.json" in s.path and s.method in ("GET", "HEAD")]
+    assert [s.method for s in lease_reads] == ["GET", "GET", "GET"]  # open, deletion, close
+    objects_asked = [s.path for s in proxy.seen if s.method == "HEAD" and s.path.count("/") > 1]
+    assert objects_asked == []  # (the bucket's, when the root is made, aside)
+
+
+def test_an_empty_s3_owner_record_reads_as_damaged_and_is_taken_over(
+    server: Server, root: str
+) -> None:
+    """No server can satisfy a range of an empty object (HTTP 416): an empty record reads as
+    empty, so as damaged, as it does elsewhere."""
+    if server.kind != "s3":
+        pytest.skip("an S3 ranged read")
+    storage = CheckpointStorage(root, server.storage_options())
+    storage.fs.pipe_file(f"{storage.root}/owner.json", b"")
+    with manager(root, server.storage_options()) as mgr:
+        assert mgr.save(1, small_tensors(1))
+    assert storage.committed_steps() == [1]
