@@ -71,7 +71,7 @@ from ckptmgr.integrity import (
 from ckptmgr.kept_results import KeptResults
 from ckptmgr.load_chunks import chunk_stand_ins
 from ckptmgr.metadata_file import MetadataFile
-from ckptmgr.remote_read import WINDOW_BYTES, RemoteRangeSource, ranged_reads, read_whole_ahead
+from ckptmgr.remote_read import RemoteRangeSource, ranged_reads, read_small_file_ahead
 from ckptmgr.remote_write import upload_while_writing, uploads_while_writing
 from ckptmgr.retry import Retrier, RetryConfig
 from ckptmgr.safe_metadata import load_metadata_safely
@@ -857,16 +857,17 @@ class RetryingFileSystem(FileSystemBase):
 
     def read_ahead(self, path: str | os.PathLike[str]) -> None:
         """Start reading ``path``, a file the commit record gives the size of (one ranged read:
-        files of up to ``WINDOW_BYTES``; else nothing is started), for the next
-        ``create_stream`` of it on this file system to use (and check, as ever)."""
+        :func:`ckptmgr.remote_read.read_small_file_ahead`; else nothing is started), for the
+        next ``create_stream`` of it on this file system to use (and check, as ever)."""
         path = os.fspath(path)
         entry = None if self.expected is None else self.expected.get(_relative(self.root, path))
-        if entry is None or not 0 < entry.size <= WINDOW_BYTES:
+        if entry is None:
             return
         with self._lock:
             if path not in self._ahead:
-                fetch = ranged_reads(self.fs, path, self.retrier.call)
-                self._ahead[path] = read_whole_ahead(fetch, entry.size)
+                ahead = read_small_file_ahead(self.fs, path, self.retrier.call, entry.size)
+                if ahead is not None:
+                    self._ahead[path] = ahead
 
     def _download_known(self, path: str, size: int) -> tuple[IO[bytes], int, int]:
         """(the file's bytes, its size, its CRC-32) of a file whose record gives its ``size``,

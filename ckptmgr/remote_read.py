@@ -59,11 +59,16 @@ Fetch = Callable[[int, int], bytes]
 file ends first; retried by the caller's policy."""
 
 
-def read_whole_ahead(fetch: Fetch, size: int) -> Future[bytes]:
-    """Start fetching a file of ``size`` bytes (one window at most: one ranged read, retried by
-    ``fetch``) on the fetch threads; its bytes, with one more where the file goes on past
+def read_small_file_ahead(
+    fs: Any, path: str, retried: Callable[..., Any], size: int
+) -> Future[bytes] | None:
+    """Start reading ``path``, a file of ``size`` bytes (as its record gives), by one ranged
+    read on the fetch threads (see :func:`ranged_reads`); None where it is empty or more than
+    one window (``WINDOW_BYTES``). The future's bytes hold one more where the file goes on past
     ``size`` (servers end a range at the end of the object): checked by the caller."""
-    return _fetch_pool().submit(fetch, 0, size + 1)
+    if not 0 < size <= WINDOW_BYTES:
+        return None
+    return _fetch_pool().submit(ranged_reads(fs, path, retried), 0, size + 1)
 
 
 def ranged_reads(fs: Any, path: str, retried: Callable[..., Any]) -> Fetch:

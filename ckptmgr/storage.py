@@ -30,7 +30,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
@@ -61,8 +60,15 @@ from ckptmgr.record import (
     NewerFormatError,
     utc_now,
 )
-from ckptmgr.remote_read import WINDOW_BYTES, crc32_of_remote, ranged_reads, read_whole_ahead
-from ckptmgr.retry import Retrier, RetryConfig, client_class, client_options, http_status
+from ckptmgr.remote_read import crc32_of_remote, ranged_reads, read_small_file_ahead
+from ckptmgr.retry import (
+    Retrier,
+    RetryConfig,
+    client_class,
+    client_options,
+    http_status,
+    is_s3_class,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +132,8 @@ def find_files(
     with nothing under it asks twice more whether the path is a file or a directory. (Not for
     every listing: s3fs keeps what a plain ``find`` lists, and later reads of those files then
     skip a request for their size.)"""
-    s3fs = sys.modules.get("s3fs")
     parent, _, name = path.rstrip("/").rpartition("/")
-    if likely_empty and s3fs is not None and isinstance(fs, s3fs.S3FileSystem) and parent:
+    if likely_empty and is_s3_class(type(fs)) and parent:
         return fs.find(parent, prefix=f"{name}/", detail=True)  # type: ignore[no-any-return]
     return fs.find(path, detail=True)  # type: ignore[no-any-return]
 
@@ -336,12 +341,13 @@ class CheckpointStorage:
         """Start reading the file ``name`` of a committed step on a remote store, where it is a
         round trip that need not wait for others (one ranged read of the size its record gives,
         for :meth:`read_objects`' ``ahead``); None on a local disk, or where the record gives no
-        size or more than one read's worth."""
+        size or more than one read's worth
+        (:func:`ckptmgr.remote_read.read_small_file_ahead`)."""
         entry = None if expected is None else expected.get(name)
-        if self.is_local or entry is None or not 0 < entry.size <= WINDOW_BYTES:
+        if self.is_local or entry is None:
             return None
-        fetch = ranged_reads(self.fs, self.path(step_dir_name(step), name), self._retrier.call)
-        return read_whole_ahead(fetch, entry.size)
+        path = self.path(step_dir_name(step), name)
+        return read_small_file_ahead(self.fs, path, self._retrier.call, entry.size)
 
     def read_objects(
         self,

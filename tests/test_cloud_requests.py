@@ -33,7 +33,7 @@ from _cloud_servers import (  # noqa: F401  (the *_fixture functions are fixture
 
 require_cloud_modules()
 
-from ckptmgr import CheckpointManager, CorruptCheckpointError, cli, dcp_io, remote_read  # noqa: E402
+from ckptmgr import CheckpointManager, CorruptCheckpointError, cli, remote_read  # noqa: E402
 from ckptmgr.storage import CheckpointStorage  # noqa: E402
 
 pytestmark = [pytest.mark.cloud, pytest.mark.timeout(240)]
@@ -265,8 +265,7 @@ def test_a_metadata_file_of_several_windows_is_read_by_ranged_reads(
 ) -> None:
     """A ``.metadata`` larger than one read's worth is not read ahead: it is read when DCP asks
     for it, in windows, each a ranged read, and checked whole."""
-    monkeypatch.setattr(dcp_io, "WINDOW_BYTES", 128)  # (the limit of what is read ahead)
-    monkeypatch.setattr(remote_read, "WINDOW_BYTES", 256)
+    monkeypatch.setattr(remote_read, "WINDOW_BYTES", 256)  # (also the most that is read ahead)
     state = small_tensors(6)
     with manager(root, server.storage_options(proxy.url)) as mgr:
         assert mgr.save(1, state)
