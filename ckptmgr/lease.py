@@ -73,9 +73,9 @@ LEASE_NAME = "owner.json"
 LEASE_FORMAT_VERSION = 1
 DEFAULT_TIMEOUT_S = 60.0
 JOB_ID_VARIABLES = ("CKPTMGR_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+"""Environment variables that name the job, first found wins; else the process is the job."""
 S3_READ_BYTES = 1 << 20
 """The record is read on S3 as a GET of this many bytes at most (records are far smaller)."""
-"""Environment variables that name the job, first found wins; else the process is the job."""
 _NO_RUN_ID = "none"
 """What torchrun sets ``TORCHELASTIC_RUN_ID`` to without ``--rdzv-id`` (its default): every such
 job would have the same id, so it names no job."""
