@@ -25,6 +25,7 @@ written by another process is seen at once.
 from __future__ import annotations
 
 import datetime as _dt
+import inspect
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
+import fsspec.asyn
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
@@ -67,6 +69,7 @@ from ckptmgr.retry import (
     client_class,
     client_options,
     http_status,
+    is_gcs_class,
     is_s3_class,
 )
 
@@ -127,15 +130,35 @@ def open_filesystem(
 def find_files(
     fs: AbstractFileSystem, path: str, *, likely_empty: bool = False
 ) -> dict[str, dict[str, Any]]:
-    """``fs.find(path, detail=True)``. ``likely_empty`` (a new step's directory): on S3 one
-    listing of the parent's keys that start with ``<name>/``, where s3fs' ``find`` of a path
-    with nothing under it asks twice more whether the path is a file or a directory. (Not for
-    every listing: s3fs keeps what a plain ``find`` lists, and later reads of those files then
-    skip a request for their size.)"""
+    """``fs.find(path, detail=True)``. ``likely_empty`` (a new step's directory): one request,
+    where a ``find`` of a path with nothing under it makes more: on S3 one listing of the
+    parent's keys that start with ``<name>/`` (s3fs' ``find`` asks twice more whether the path
+    is a file or a directory), on GCS one listing of the objects under ``path`` (gcsfs' lists
+    again as a file's name). (Not for every listing: s3fs keeps what a plain ``find`` lists,
+    and later reads of those files then skip a request for their size.)"""
     parent, _, name = path.rstrip("/").rpartition("/")
     if likely_empty and is_s3_class(type(fs)) and parent:
         return fs.find(parent, prefix=f"{name}/", detail=True)  # type: ignore[no-any-return]
+    if likely_empty and is_gcs_class(type(fs)):
+        list_objects = _gcs_object_listing(fs)
+        if list_objects is not None:
+            items, _ = fsspec.asyn.sync(fs.loop, list_objects, path, delimiter="")
+            return {item["name"]: item for item in items}
     return fs.find(path, detail=True)  # type: ignore[no-any-return]
+
+
+def _gcs_object_listing(fs: AbstractFileSystem) -> Callable[..., Any] | None:
+    """gcsfs' one listing of every object under a path (``_do_list_objects``), or None where
+    this gcsfs has none of that form. gcsfs' ``find`` of a path with nothing under it lists it a
+    second time, as a file's name (``path`` without the slash), whatever it is asked."""
+    method = getattr(fs, "_do_list_objects", None)
+    if method is None:
+        return None
+    try:
+        parameters = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return None
+    return method if "delimiter" in parameters else None
 
 
 def is_object_store(fs: AbstractFileSystem) -> bool:

@@ -239,10 +239,14 @@ def test_an_interrupted_save_is_cleared_before_the_step_is_written_again(
     storage = CheckpointStorage(root, options)
     stale = f"{storage.step_path(7)}/__0_0.distcp"
     storage.fs.pipe_file(stale, b"half of an old upload")
+    unwritten = f"{storage.step_path(7)}/__5_0.distcp"  # (of a run with more ranks)
+    storage.fs.pipe_file(unwritten, b"a file this save does not write")
     with manager(root, options) as mgr:  # too young to be swept: stays a leftover
         assert mgr.all_steps() == []
         assert mgr.save(7, make_state(7))
         assert differences(restored(mgr, 7), make_state(7)) == []
+    storage.fs.invalidate_cache()
+    assert not storage.fs.exists(unwritten)
     record = CommitRecord.from_json(storage.fs.cat_file(f"{storage.step_path(7)}/commit.json"))
     sizes = {entry.path: entry.size for entry in record.files}
     assert sizes["__0_0.distcp"] > len(b"half of an old upload")
