@@ -21,11 +21,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckptmgr import dcp_state_dicts
+from ckptmgr.torch_versions import torch_version
 
 OPTIONS = StateDictOptions(strict=False)
 
 # torch.compile's and the checkpoint wrapper's imports warn about torch.jit (torch 2.13): not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
+
+_LOW, _HIGH = dcp_state_dicts.READ_AGAINST
+read_torch = pytest.mark.skipif(
+    not _LOW <= torch_version() <= _HIGH,
+    reason="DCP's state-dict API of this torch was not read: its own calls are made "
+    "(test_another_torch_gets_dcps_own_calls)",
+)
+"""For the tests of the dicts made without DCP's calls."""
 
 
 def differences(made: Any, expected: Any, where: str = "") -> list[str]:
@@ -147,6 +156,7 @@ def _made(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     }
 
 
+@read_torch
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_a_plain_modules_dicts_are_made_without_dcp_and_are_dcps(
     kind: str, monkeypatch: pytest.MonkeyPatch
@@ -183,6 +193,7 @@ def _compiled_with_a_child_named_like_compiles(model: nn.Module) -> nn.Module:
     return torch.compile(_with_a_child_named_like_compiles(model))
 
 
+@read_torch
 @pytest.mark.parametrize(
     "change", [_compiled, _block_compiled, _compiled_twice, _with_a_child_named_like_compiles]
 )
@@ -269,9 +280,12 @@ def test_an_optimizer_without_state_is_left_to_dcp(monkeypatch: pytest.MonkeyPat
 
 def test_another_torch_gets_dcps_own_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = _trained("adamw")
-    assert dcp_state_dicts._dcp_names(model) is not None
-    monkeypatch.setattr(dcp_state_dicts, "torch_version", lambda: (2, 99))
-    assert dcp_state_dicts._dcp_names(model) is None
+    for version in (_LOW, _HIGH):
+        monkeypatch.setattr(dcp_state_dicts, "torch_version", lambda v=version: v)
+        assert dcp_state_dicts._dcp_names(model) is not None
+    for version in ((_LOW[0], _LOW[1] - 1), (_HIGH[0], _HIGH[1] + 1), (_HIGH[0] + 1, 0)):
+        monkeypatch.setattr(dcp_state_dicts, "torch_version", lambda v=version: v)
+        assert dcp_state_dicts._dcp_names(model) is None
 
 
 FSDP2_AND_DDP = r"""
@@ -331,6 +345,7 @@ finally:
 """
 
 
+@read_torch
 def test_fsdp2_and_ddp_modules_dicts_are_made_without_dcp_and_are_dcps(tmp_path: Path) -> None:
     """On a real process group of one gloo rank (a new interpreter): FSDP2's dicts (DTensor
     shards) and DDP's (``module.`` taken out of the names, around a compiled model too) are
