@@ -6,7 +6,7 @@ runs its steps as collectives: every rank plans its reads, the plans are gathere
 coordinator, which runs the planner's and the storage reader's global step and scatters each
 rank its plan back; every rank reads; every rank learns whether all read. With DCP's default
 load planner and file system readers the global step returns the plans as they came (torch
-2.10-2.13: ``create_default_global_load_plan`` and ``FileSystemReader.prepare_global_plan``),
+2.10-2.14: ``create_default_global_load_plan`` and ``FileSystemReader.prepare_global_plan``),
 so the exchange only carries every rank's reads to the coordinator and back: a read item per
 tensor chunk, pickled and unpickled four times (2 ranks, 5,000 DTensors: about 0.2 s of a 1.1 s
 restore per rank; on the coordinator it grows with ranks times tensors).

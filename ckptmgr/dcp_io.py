@@ -440,7 +440,7 @@ class _RawTensorWriter:
         stored: list[list[WriteResult]],
         metadata_file: MetadataFile,
     ) -> None:
-        """DCP's ``FileSystemWriter.finish`` (torch 2.10-2.13), with ``.metadata`` pickled by
+        """DCP's ``FileSystemWriter.finish`` (torch 2.10-2.14), with ``.metadata`` pickled by
         ``metadata_file``, and the last save's ``storage_data`` kept where every rank's write
         results (``results``; ``stored``: those that go into it) are the same as then."""
         metadata.version = CURRENT_DCP_VERSION

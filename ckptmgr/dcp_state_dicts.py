@@ -62,11 +62,11 @@ try:
 except ImportError:  # pragma: no cover - torch without dynamo
     OptimizedModule = None  # type: ignore[assignment,misc]
 
-READ_AGAINST = ((2, 10), (2, 13))
+READ_AGAINST = ((2, 10), (2, 14))
 """The lowest and highest (major, minor) torch versions whose DCP state-dict API
 (``torch/distributed/checkpoint/state_dict.py``) this module was read against; on any other,
-DCP's functions are called. (From 2.10 to 2.13 that file changed in its type hints and in the
-process group of FSDP version 1's optimizer state, which is never plain.)"""
+DCP's functions are called. (From 2.10 to 2.14 that file changed in its type hints, a comment
+and the process group of FSDP version 1's optimizer state, which is never plain.)"""
 
 GET_OPTIONS = StateDictOptions(strict=False)
 """The options ckptmgr gets DCP's state dicts with (``strict`` only makes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-CHECKED_TORCH = ((2, 10), (2, 13))
+CHECKED_TORCH = ((2, 10), (2, 14))
 """The lowest and highest (major, minor) torch versions whose DCP code ckptmgr's steps were
 checked against."""
 

@@ -14,8 +14,17 @@ from typing import Any
 
 import pytest
 
+from ckptmgr.torch_versions import CHECKED_TORCH, checked_torch
+
 REPO = Path(__file__).resolve().parent.parent
 ABORT_GRACE_S = 10.0  # for a timed-out child to print its tracebacks
+
+checked_torch_only = pytest.mark.skipif(
+    not checked_torch(),
+    reason=f"on a torch outside {CHECKED_TORCH}, ckptmgr runs DCP's own steps where it would run "
+    "its own (ckptmgr.torch_versions), and the requests and collectives differ",
+)
+"""For tests of what ckptmgr's own versions of DCP's steps save in requests or collectives."""
 
 
 def run_python(

@@ -33,6 +33,8 @@ from _cloud_servers import (  # noqa: F401  (the *_fixture functions are fixture
 
 require_cloud_modules()
 
+from conftest import checked_torch_only  # noqa: E402
+
 from ckptmgr import CheckpointManager, CorruptCheckpointError, cli, remote_read  # noqa: E402
 from ckptmgr.storage import CheckpointStorage  # noqa: E402
 
@@ -106,6 +108,7 @@ def test_the_objects_file_is_sent_while_the_data_file_is_uploaded(
         assert same(target, state)
 
 
+@checked_torch_only
 def test_a_new_step_is_listed_with_one_request(
     server: Server, root: str, proxy: FaultProxy
 ) -> None:
@@ -302,7 +305,9 @@ def test_s3_uploads_of_small_bodies_do_not_wait_for_continue(
     assert [name for name, s in puts.items() if s.expect_continue] == ["__0_0.distcp"]
 
 
-@pytest.mark.parametrize("name", [".metadata", "objects-rank00000.json"])
+@pytest.mark.parametrize(
+    "name", [pytest.param(".metadata", marks=checked_torch_only), "objects-rank00000.json"]
+)
 def test_a_read_ahead_is_retried_on_its_own(
     server: Server, root: str, proxy: FaultProxy, name: str
 ) -> None:
@@ -324,6 +329,7 @@ def test_a_read_ahead_is_retried_on_its_own(
         assert proxy.count(reads_it, "forwarded") == 1
 
 
+@checked_torch_only
 def test_s3_owner_lease_reads_ask_no_head(server: Server, root: str, proxy: FaultProxy) -> None:
     """The owner lease is read when a manager opens and closes and before retention deletes: on
     S3 each read is one GET (s3fs' plain ``cat_file`` asks a HEAD first)."""

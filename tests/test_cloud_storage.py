@@ -27,7 +27,7 @@ from _cloud_servers import (  # noqa: F401  (the *_fixture functions are fixture
 require_cloud_modules()
 
 from _cloud_state import blank_like, differences, make_state  # noqa: E402
-from conftest import run_python  # noqa: E402
+from conftest import checked_torch_only, run_python  # noqa: E402
 
 from ckptmgr import (  # noqa: E402
     CheckpointError,
@@ -304,6 +304,7 @@ def test_a_data_file_is_restored_by_ranged_reads_each_retried_on_its_own(
     assert proxy.count(is_data_read) == windows + 3
 
 
+@checked_torch_only
 def test_a_save_asks_the_store_nothing_about_metadata_it_is_about_to_write(
     server: Server, root: str, proxy: FaultProxy
 ) -> None:

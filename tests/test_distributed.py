@@ -39,7 +39,7 @@ from _dist_worker import (
     SAVE_PLAN,
     make_model,
 )
-from conftest import packed_names
+from conftest import checked_torch_only, packed_names
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "_dist_worker.py"
@@ -423,6 +423,7 @@ def test_a_save_that_fails_on_one_rank_fails_on_both_and_they_stay_in_step(
         assert record["disk"] == _step_dirs([2, 5]), where
 
 
+@checked_torch_only
 def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
     dirs: dict[str, Path],
 ) -> None:
@@ -505,6 +506,7 @@ def test_dcps_save_over_the_group_keeps_the_metadata_on_rank_0_and_fails_where_i
         assert ".metadata" not in write["files"], (rank, write)
 
 
+@checked_torch_only
 def test_dcps_load_over_the_group_exchanges_plans_only_where_a_global_step_needs_them(
     dirs: dict[str, Path],
 ) -> None:

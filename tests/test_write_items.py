@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from conftest import run_python
+from conftest import checked_torch_only, run_python
 
 COMMON = r"""
 import json, pickle, sys
@@ -215,6 +215,7 @@ def child(code: str, tmp_path: Path, *args: str) -> Any:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@checked_torch_only
 def test_kept_items_restore_bit_exact_and_write_the_metadata_of_items_made_from_scratch(
     tmp_path: Path,
 ) -> None:
