@@ -774,7 +774,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="num_of_threads for ckptmgr")
     parser.add_argument("--leak-saves", type=int, default=0, help="extra save_async (workload a)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: tmp)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where to write: a new directory in it, removed at the end (default: the temp dir)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the method order of rounds 1 and later"
@@ -782,7 +787,8 @@ def main() -> None:
     args = parser.parse_args()
     args.loops = [x for x in args.loops.split(",") if x]
     args.skip = [x for x in args.skip.split(",") if x]
-    scratch_root = Path(args.dir or tempfile.mkdtemp(prefix="ckptmgr-bench-"))
+    # (a directory of its own, even in --dir: all of it is removed at the end)
+    scratch_root = Path(tempfile.mkdtemp(prefix="ckptmgr-bench-", dir=args.dir))
     machine = (
         f"torch {torch.__version__}; {os.cpu_count()} CPUs; {platform.platform()}; "
         f"loadavg at start {os.getloadavg()}"
