@@ -36,3 +36,12 @@ class CorruptCheckpointError(CheckpointError):
         self.path = path
         self.step = step
         super().__init__(message)
+
+
+def describe_error(error: BaseException | None) -> str | None:
+    """``error``'s type and the first line of its message (at most 2,000 characters), as ranks
+    tell each other of their failures; None for None."""
+    if error is None:
+        return None
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line}"[:2000]

@@ -19,26 +19,28 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptmgr import dcp_io, direct_read, pack_load, packing, pruning, retention
+from ckptmgr import dcp_io, packing, pruning, retention
 from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter, FailureHandover, result_of
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
 from ckptmgr.daemon_commit import DaemonCommit, DaemonCommitResult, DaemonRetention
-from ckptmgr.device_sync import wait_for_devices, wait_for_queued_work
-from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+from ckptmgr.device_sync import wait_for_queued_work
+from ckptmgr.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StepNotFoundError,
+    describe_error,
+)
 from ckptmgr.gc_pause import gc_paused
-from ckptmgr.integrity import expected_files, raise_problems
+from ckptmgr.integrity import raise_problems
 from ckptmgr.lease import LeaseLostError, OwnerLease
-from ckptmgr.pack_read_ahead import PackReadAhead
-from ckptmgr.packing import PACK_KEY, PackedTensor
+from ckptmgr.packing import PackedTensor
 from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNotice
-from ckptmgr.prefetch import Prefetch
 from ckptmgr.record import (
     CommitRecord,
     FileEntry,
     files_with_checksums,
-    is_raw,
     tensor_entries,
     utc_now,
 )
@@ -53,7 +55,8 @@ from ckptmgr.save_process import (
     SaveProcess,
 )
 from ckptmgr.staging import StagingBuffers, StagingPool
-from ckptmgr.state import RestorePlan, flatten, plan_restore
+from ckptmgr.state import flatten
+from ckptmgr.step_restore import StepRestorer
 from ckptmgr.storage import CheckpointStorage, json_bytes, log_moved_aside, objects_file_name
 
 log = logging.getLogger("ckptmgr")
@@ -166,6 +169,7 @@ class CheckpointManager:
         self._comm = Collectives(config.process_group, config.collective_timeout_s)
         self._policy = _build_policy(config)
         self._records = pruning.RecordReader(self._storage)
+        self._restorer = StepRestorer(self._storage, self._comm)
         self._record_tables = packing.RecordTableCache()  # used by the writer thread only
         self._save_packer = packing.SavePacker()  # save()'s packing, on the writer thread only
         # Names packed into one item (ckptmgr.packing); None once the ranks' packs differed.
@@ -526,7 +530,7 @@ class CheckpointManager:
         try:
             gathered = self._comm.all_gather(
                 (
-                    _describe(local_error),
+                    describe_error(local_error),
                     fingerprint,
                     [(self._failure_key(error), str(error)) for error in learned],
                 ),
@@ -719,7 +723,7 @@ class CheckpointManager:
         if dcp_metadata is not None:  # every rank's files, as finish() saw them (in process
             # mode the only account: the writer that wrote them lived in the daemon)
             checksums.update(getattr(dcp_metadata, CHECKSUMS_ATTRIBUTE, {}))
-        gathered = comm.all_gather((_describe(local_error), checksums), group)
+        gathered = comm.all_gather((describe_error(local_error), checksums), group)
         errors = [error for error, _ in gathered]
 
         outcome = _SaveOutcome(committed=False, error=None, deleted=[])
@@ -1128,181 +1132,7 @@ class CheckpointManager:
             raise StepNotFoundError(step, known)
         if not isinstance(state_dict, MutableMapping):
             raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__qualname__}")
-        # The disk reads ahead while the record is parsed and the state matched against it.
-        prefetch = None
-        if self._storage.is_local:
-            read_directly = (dcp_io.DATA_SUFFIX,) if direct_read.DIRECT_READS else ()
-            prefetch = Prefetch(self._storage.step_path(step), skip_suffixes=read_directly)
-        pack_reads: list[PackReadAhead] = []
-        try:
-            self._restore(step, state_dict, pack_reads)
-        finally:
-            for pack_read in pack_reads:  # (a read ahead that the restore did not wait for)
-                pack_read.wait()
-            if prefetch is not None:
-                prefetch.join()
-
-    def _restore(
-        self, step: int, state_dict: MutableMapping[str, Any], pack_reads: list[PackReadAhead]
-    ) -> None:
-        """The body of :meth:`restore`, for a committed ``step``; adds the read ahead of the
-        step's pack that it starts, if any, to ``pack_reads`` (for the caller to wait for)."""
-        group = self._comm.background_group if self._comm.distributed else None
-        pack_read: PackReadAhead | None = None
-        plan: RestorePlan | None = None
-        plan_error: Exception | None = None
-        expected = None
-        raw = True
-        to_load: dict[str, torch.Tensor] = {}
-        unpack: pack_load.Unpack = pack_load.unpack_nothing
-        reader: Any = None
-        try:
-            record = self._storage.read_record(step)
-            expected = expected_files(record.files, step=step) if record.files else None
-            raw = is_raw(record)
-            own_objects = objects_file_name(self._comm.rank)
-            objects_rank = self._comm.rank if own_objects in record.object_files else 0
-            objects_name = objects_file_name(objects_rank)
-            # On a remote store, .metadata and the plain values are read beside the listing
-            objects_ahead = self._storage.read_ahead(step, objects_name, expected)
-            reader = self._step_reader(step, expected, raw)
-            dcp_io.read_metadata_ahead(reader)
-            if not self._comm.distributed:  # (DCP's load is collective under distributed)
-                # (into a buffer of its own: started before the listing, which it overlaps)
-                pack_read = self._read_pack_ahead(step, record, expected, raw, reader)
-                if pack_read is not None:
-                    pack_reads.append(pack_read)
-            self._storage.check_sizes(step, record)  # every file, one listing
-            saved_objects = self._storage.read_objects(step, objects_name, expected, objects_ahead)
-            plan = plan_restore(
-                state_dict, record.tensor_table.names, saved_objects, self._comm.rank, objects_rank
-            )
-            to_load, unpack = pack_load.split_for_load(
-                plan.tensors, record, None if pack_read is None else pack_read.buffer
-            )
-            # Work the caller still has queued on the destinations (on any stream) ends before
-            # anything is written into them; here, so that a failure is agreed on like others.
-            wait_for_devices(plan.tensors.values())
-        except Exception as exc:
-            plan_error = exc
-        # DCP's load is collective: every rank learns first whether any rank could not match its
-        # state against the checkpoint, so that such a rank never leaves the others waiting.
-        try:
-            self._agree_on_restore(step, plan_error, group)
-        except BaseException:
-            if plan is not None:  # another rank failed: leave this rank's state as it was
-                plan.abandon()
-            raise
-        assert plan is not None and reader is not None
-        load_error: Exception | None = None
-        try:
-            pack: dict[str, torch.Tensor] = {}  # the pack read ahead, unpacked as it is read
-            if pack_read is not None and to_load.get(PACK_KEY) is pack_read.buffer:
-                if pack_read.placed:
-                    pack[PACK_KEY] = to_load.pop(PACK_KEY)
-                elif pack_read.wait():  # (a read that looked up the pack's place itself)
-                    del to_load[PACK_KEY]  # read ahead; else read below (and its damage raised)
-            if to_load or self._comm.distributed:  # collective: also a rank with nothing to load
-                # DCP's reader threads fill a non-contiguous device destination with a copy on
-                # their own stream, which the caller's next work would not wait for: wait for
-                # the devices after the load, a failed one too (its copies must not land after
-                # restore raised), whose own error is then the one raised.
-                try:
-                    _load(step, to_load, reader, group)
-                except BaseException:
-                    try:
-                        wait_for_devices(to_load.values())
-                    except Exception:
-                        log.warning(
-                            "restore of step %d: after the failed load, waiting for the "
-                            "devices failed too",
-                            step,
-                            exc_info=True,
-                        )
-                    raise
-                wait_for_devices(to_load.values())
-            try:
-                if pack:
-                    assert pack_read is not None
-                    self._unpack_as_read(step, unpack, pack_read, pack, reader)
-                else:
-                    unpack()
-            except Exception as exc:
-                if isinstance(exc, CheckpointError):
-                    raise
-                raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
-            plan.finish()  # plain values; objects' own load_state_dict (its error as raised)
-        except Exception as exc:
-            load_error = exc
-        # ... and whether any rank failed after it (unpacking, a load_state_dict that raised),
-        # so that every rank raises or none does (restore_latest then decides alike on all).
-        self._agree_on_restore(step, load_error, group)
-        log.info("restored step %d", step)
-
-    @staticmethod
-    def _unpack_as_read(
-        step: int,
-        unpack: pack_load.Unpack,
-        pack_read: PackReadAhead,
-        pack: dict[str, torch.Tensor],
-        reader: Any,
-    ) -> None:
-        """Unpack the pack that ``pack_read`` reads ahead while it is read (one process only);
-        where that read stops short or its file does not match the record, load the pack
-        (``pack``: its key and buffer) with DCP, which raises what damage it finds, and unpack
-        again in full."""
-        try:
-            unpack(filled_to=pack_read.filled_to)
-            if pack_read.wait():
-                return
-        except pack_load.PackReadStopped:
-            pack_read.wait()  # (it has ended: the buffer is no longer written)
-        _load(step, pack, reader, None)
-        unpack()
-
-    def _read_pack_ahead(
-        self, step: int, record: CommitRecord, expected: Any, raw: bool, beside: Any
-    ) -> PackReadAhead | None:
-        """Start reading the pack of ``step`` (see :mod:`ckptmgr.pack_read_ahead`) with a
-        reader of its own (sharing the files read ahead by ``beside``, the restore's); None when
-        the step has no pack or its record lists no data file."""
-        file_sizes = {entry.path: entry.size for entry in record.files}
-        reader = self._step_reader(step, expected, raw, beside)
-        return PackReadAhead.start(
-            record.tensor_table, reader, file_sizes, local=self._storage.is_local
-        )
-
-    def _step_reader(self, step: int, expected: Any, raw: bool, beside: Any = None) -> Any:
-        """A DCP reader of ``step``'s files (see :func:`ckptmgr.dcp_io.make_reader`)."""
-        return dcp_io.make_reader(
-            self._storage.url_for(self._storage.step_path(step)),
-            local=self._storage.is_local,
-            storage_options=self._storage.storage_options,
-            retry=self._storage.retry,
-            expected=expected,
-            raw=raw,
-            beside=beside,
-        )
-
-    def _agree_on_restore(self, step: int, error: Exception | None, group: Any) -> None:
-        """Raise on every rank if ``error`` (this rank's, or None) or any other rank's is not
-        None, each rank alike ``CorruptCheckpointError`` when any rank found damage; a rank
-        raises its own error where that is of the same kind. Collective under distributed."""
-        failures = self._comm.all_gather(
-            (_describe(error), isinstance(error, CorruptCheckpointError)), group
-        )
-        failed = {rank: text for rank, (text, _) in enumerate(failures) if text is not None}
-        if not failed:
-            return
-        damaged = any(corrupt for _, corrupt in failures)
-        if error is not None and damaged == isinstance(error, CorruptCheckpointError):
-            raise error
-        described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
-        where = "another rank" if error is None else "more than one rank"
-        message = f"restore of step {step} failed on {where}: {described}"
-        if damaged:
-            raise CorruptCheckpointError(message, step=step) from error
-        raise CheckpointError(message) from error
+        self._restorer.restore(step, state_dict)
 
     def restore_latest(self, state_dict: Mapping[str, Any]) -> int | None:
         """Restore the newest committed step that is intact; returns it, or None if there is none.
@@ -1352,7 +1182,7 @@ class CheckpointManager:
             try:
                 listed = self._storage.committed_steps()
             except Exception as exc:
-                error = _describe(exc)
+                error = describe_error(exc)
         group = self._comm.background_group if self._comm.distributed else None
         listed, error = self._comm.broadcast((listed, error), group)
         if error is not None:
@@ -1500,24 +1330,3 @@ def _os_error_behind(error: BaseException) -> BaseException:
         seen.append(current)
         current = current.__cause__ or current.__context__
     return error
-
-
-def _load(step: int, tensors: dict[str, torch.Tensor], reader: Any, group: Any) -> None:
-    """DCP's load of ``tensors``, its failures as ``CheckpointError`` (damage: corrupt)."""
-    try:
-        dcp_io.load_tensors(tensors, reader, group)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # CheckpointException is a BaseException
-        if isinstance(exc, CorruptCheckpointError):
-            raise CorruptCheckpointError(
-                f"restore of step {step} failed: {exc}", path=exc.path, step=step
-            ) from exc
-        raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
-
-
-def _describe(error: BaseException | None) -> str | None:
-    if error is None:
-        return None
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first_line}"[:2000]

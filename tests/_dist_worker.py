@@ -556,7 +556,7 @@ def scenario_device_wait_fails(rank: int, ckpt_dir: str) -> dict[str, Any]:
 
     import torch
 
-    import ckptmgr.manager as manager_module
+    import ckptmgr.step_restore as step_restore
     from ckptmgr import CheckpointManager
 
     state = {f"w/{i}": torch.full((64,), float(i)) for i in range(10)}
@@ -566,19 +566,19 @@ def scenario_device_wait_fails(rank: int, ckpt_dir: str) -> dict[str, Any]:
         ckpt_dir, 1, collective_timeout_s=COLLECTIVE_TIMEOUT_S, chkpt_on_preemption=False
     ) as manager:
         assert manager.save(1, state)
-        real_wait = manager_module.wait_for_devices
+        real_wait = step_restore.wait_for_devices
         if rank == 1:
 
             def failing_wait(tensors: Any) -> None:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-            manager_module.wait_for_devices = failing_wait
+            step_restore.wait_for_devices = failing_wait
         started = time.monotonic()
         _, record["failure"] = _call(
             lambda: manager.restore(1, {k: torch.zeros_like(v) for k, v in state.items()})
         )
         record["seconds"] = time.monotonic() - started
-        manager_module.wait_for_devices = real_wait
+        step_restore.wait_for_devices = real_wait
         fresh = {k: torch.zeros_like(v) for k, v in state.items()}
         _, record["retry_error"] = _call(lambda: manager.restore(1, fresh))
         record["difference"] = first_difference(fresh, state)

@@ -248,7 +248,7 @@ def test_a_pack_stored_otherwise_than_the_record_says_is_not_read_ahead(
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, _state())
         record = mgr._storage.read_record(1)
-        reader = mgr._step_reader(1, None, True)
+        reader = mgr._restorer.step_reader(1, None, True)
     size = pack_size(record.tensor_table)
     assert size is not None
     file_sizes = {entry.path: entry.size for entry in record.files}
@@ -265,7 +265,7 @@ def test_damaged_metadata_fails_the_read_ahead_before_its_thread_starts(tmp_path
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, _state())
         record = mgr._storage.read_record(1)
-        reader = mgr._step_reader(1, None, True)
+        reader = mgr._restorer.step_reader(1, None, True)
     (metadata_file,) = tmp_path.glob("*/.metadata")
     metadata_file.write_bytes(b"not a pickle")
     size = pack_size(record.tensor_table)

@@ -716,10 +716,10 @@ def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
     what it loaded (its reader threads copy on streams of their own), also when the load fails,
     so that none of its copies lands after restore has raised. When that wait fails too, the
     load's error is the one raised, and the wait's is logged."""
-    import ckptmgr.manager as manager_module
+    import ckptmgr.step_restore as step_restore
 
     events: list[tuple[str, int]] = []
-    real_load = manager_module._load
+    real_load = step_restore._load
 
     def noting_wait(tensors: Any) -> None:
         events.append(("wait", len(list(tensors))))
@@ -732,8 +732,8 @@ def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
             raise OSError("injected: the read failed")
         real_load(step, tensors, *args)
 
-    monkeypatch.setattr(manager_module, "wait_for_devices", noting_wait)
-    monkeypatch.setattr(manager_module, "_load", noting_load)
+    monkeypatch.setattr(step_restore, "wait_for_devices", noting_wait)
+    monkeypatch.setattr(step_restore, "_load", noting_load)
     state = {f"small/{i}": torch.rand(8) for i in range(10)} | {"big": torch.rand(100_000)}
     with manager(tmp_path, save_interval=1) as mgr:
         assert mgr.save(1, state)
