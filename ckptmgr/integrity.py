@@ -288,3 +288,11 @@ def raise_problems(problems: list[FileProblem], step: int) -> None:
         path=problems[0].path,
         step=step,
     )
+
+
+def relative_name(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> str:
+    """``path`` relative to the step directory ``root`` (DCP's files all lie directly in it)."""
+    text, prefix = os.fspath(path), os.fspath(root).rstrip("/") + "/"
+    if prefix != "/" and text.startswith(prefix):
+        return text[len(prefix) :]
+    return text.rsplit("/", 1)[-1]

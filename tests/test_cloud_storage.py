@@ -33,7 +33,7 @@ from ckptmgr import (  # noqa: E402
     CheckpointError,
     CheckpointManager,
     StepNotFoundError,
-    dcp_io,
+    remote_filesystem,
     remote_read,
 )
 from ckptmgr.record import CommitRecord  # noqa: E402
@@ -263,7 +263,7 @@ def test_data_files_are_sent_whole_through_faults_and_leave_no_temporary_file(
     spool's temporary files of other stores: ``test_a_spooled_data_file_...`` there.)"""
     spool_dir = tmp_path / "spool"
     spool_dir.mkdir()
-    monkeypatch.setattr(dcp_io, "SPOOL_MEMORY_BYTES", 4096)  # a spooled file would spill
+    monkeypatch.setattr(remote_filesystem, "SPOOL_MEMORY_BYTES", 4096)  # a spooled file would spill
     monkeypatch.setattr(tempfile, "tempdir", str(spool_dir))
     proxy.set_faults(sequence=("503", "reset", "503", "reset"), match=is_data_upload)
     with manager(root, server.storage_options(proxy.url), num_of_threads=2) as mgr:

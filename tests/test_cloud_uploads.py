@@ -25,7 +25,7 @@ from _cloud_servers import (  # noqa: F401  (the *_fixture functions are fixture
 
 require_cloud_modules()
 
-from ckptmgr import CheckpointError, CheckpointManager, dcp_io, remote_write  # noqa: E402
+from ckptmgr import CheckpointError, CheckpointManager, remote_filesystem, remote_write  # noqa: E402
 from ckptmgr.storage import CheckpointStorage  # noqa: E402
 
 pytestmark = [pytest.mark.cloud, pytest.mark.timeout(240)]
@@ -88,7 +88,7 @@ def spools_fixture(server: Server, monkeypatch: pytest.MonkeyPatch) -> list[str]
     """Temporary spool files made (a small spool limit and chunk, so that a data file of a
     few chunks would need either)."""
     made = record_temporary_files(monkeypatch)
-    monkeypatch.setattr(dcp_io, "SPOOL_MEMORY_BYTES", 64 * 1024)
+    monkeypatch.setattr(remote_filesystem, "SPOOL_MEMORY_BYTES", 64 * 1024)
     monkeypatch.setattr(remote_write, "UPLOAD_CHUNK_BYTES", CHUNK[server.kind])
     monkeypatch.setattr(remote_write, "PARTS_IN_FLIGHT", 2)
     return made
@@ -193,7 +193,7 @@ def test_a_spooled_data_file_of_another_store_spills_to_a_temporary_file_then_re
     spool_dir.mkdir()
     made = record_temporary_files(monkeypatch)
     monkeypatch.setattr(tempfile, "tempdir", str(spool_dir))
-    monkeypatch.setattr(dcp_io, "SPOOL_MEMORY_BYTES", 64 * 1024)
+    monkeypatch.setattr(remote_filesystem, "SPOOL_MEMORY_BYTES", 64 * 1024)
     with manager(f"memory://spool-{tmp_path.name}", {}) as mgr:
         assert mgr.save(1, state_of(1, 100_000))
         assert restores_bit_exact(mgr, 1, 100_000)
