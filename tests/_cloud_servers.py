@@ -197,6 +197,7 @@ _S3_CODES = {
     403: "AccessDenied",
     429: "SlowDown",
     500: "InternalError",
+    501: "NotImplemented",  # S3's answer to a header it does not implement
     503: "SlowDown",
 }
 

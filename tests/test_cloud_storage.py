@@ -187,6 +187,33 @@ def test_the_commit_record_is_the_last_write_and_is_create_only(
         storage.prepare_write_dir(storage.step_path(5))
 
 
+def test_a_store_without_conditional_writes_commits_after_checking_for_a_record(
+    server: Server, root: str, proxy: FaultProxy
+) -> None:
+    """A store that answers 501 (Not Implemented) to the conditional write of the commit record,
+    as S3-compatible servers without conditional writes do, gets a check that no record exists
+    and then a plain write: the step commits and restores bit for bit."""
+
+    def record_write(method: str, path: str) -> bool:
+        return method in ("PUT", "POST") and _names(path, "commit.json")
+
+    options = server.storage_options(proxy.url)
+    with manager(root, options) as mgr:
+        proxy.clear()
+        proxy.set_faults(sequence=("501",), match=record_write)
+        assert mgr.save(5, make_state(5))
+        assert mgr.all_steps() == [5]
+        assert differences(restored(mgr, 5), make_state(5)) == []
+    about_record = [s for s in proxy.seen if _names(s.path, "commit.json")]
+    writes = [s for s in about_record if record_write(s.method, s.path)]
+    assert [s.status for s in writes] == [501, 200], [(s.method, s.path) for s in about_record]
+    between = about_record[about_record.index(writes[0]) + 1 : about_record.index(writes[1])]
+    assert any(s.method in ("GET", "HEAD") for s in between), [(s.method, s.path) for s in between]
+    if server.kind == "gcs":
+        assert "ifGenerationMatch=0" in writes[0].path
+        assert "ifGenerationMatch" not in writes[1].path
+
+
 def _names(path: str, name: str) -> bool:
     return name in path or name.replace(".", "%2E") in path
 
