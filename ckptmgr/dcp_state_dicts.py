@@ -24,6 +24,16 @@ names. For a plain tree the dicts made here are DCP's (the same keys in the same
 very tensors, the same plain values: ``tests/test_dcp_state_dicts.py`` compares them);
 anywhere else, and on a torch whose DCP code this was not read against
 (:data:`READ_AGAINST`), DCP's functions are called.
+
+Loads (a restore) likewise: ``set_model_state_dict`` of a plain tree renames and calls the
+module's ``load_state_dict``, which copies each value into the tensor of its key after
+filtering the whole dict by every child's prefix (1,000 layers: 1,000 passes over 2,000 keys).
+A restore fills the module's own tensors in place, so where loading would do nothing but copy
+each onto itself it is skipped (:func:`load_model_state_dict`). ``set_optimizer_state_dict``
+maps names again and hands the optimizer's ``load_state_dict`` the saved dict split by the
+optimizer's groups; the same split is made here from the names of the optimizer's parameters
+(:func:`load_optimizer_state_dict`; ``tests/test_dcp_state_dict_loads.py`` compares it with
+DCP's). The restore of that module and its optimizer: 0.84-1.08 s -> 0.44 s.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from itertools import chain
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,9 +50,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from ckptmgr.errors import CheckpointError
 from ckptmgr.torch_versions import torch_version
 
 try:  # FSDP version 1: DCP renames its parameters (flat parameters, its wrapper's prefix)
@@ -56,6 +69,19 @@ try:  # whose state_dict() DCP's _patch_model_state_dict / _patch_optimizer_stat
     from torch.distributed.checkpoint.state_dict import _patched_state_dict
 except ImportError:  # pragma: no cover - a torch that moved it: never plain
     _patched_state_dict = None
+
+try:  # maps a parameter name to the name DCP uses (DDP/compile prefixes removed)
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+except ImportError:  # pragma: no cover - a torch that moved it: use the names as they are
+    _get_fqns = None
+
+try:  # torch's norm layers' loads, which only add or drop keys a module's own dict has or lacks
+    from torch.nn.modules.batchnorm import _NormBase
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    _NORM_LOADS = (_NormBase._load_from_state_dict, _InstanceNorm._load_from_state_dict)
+except (ImportError, AttributeError):  # pragma: no cover - a torch that moved them
+    _NORM_LOADS = ()
 
 try:
     from torch._dynamo.eval_frame import OptimizedModule
@@ -71,6 +97,9 @@ and the process group of FSDP version 1's optimizer state, which is never plain.
 GET_OPTIONS = StateDictOptions(strict=False)
 """The options ckptmgr gets DCP's state dicts with (``strict`` only makes
 ``get_model_state_dict`` reject a module without state, ``nn.ReLU()``)."""
+LOAD_OPTIMIZER_OPTIONS = StateDictOptions(strict=False)
+"""The options ckptmgr loads an optimizer's state dict with: a parameter without saved state is
+left without state (as it was when saved)."""
 
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 """The attribute of an activation-checkpoint wrapper that holds the wrapped module; DCP removes
@@ -125,6 +154,158 @@ def state_dicts(
         )
     model_dict, optimizer_dict = get_state_dict(model, optimizer, options=GET_OPTIONS)
     return model_dict, optimizer_dict
+
+
+def load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
+    """``set_model_state_dict(model, state_dict, options=StateDictOptions(strict=strict))``,
+    which is skipped where it would do nothing: where every value of ``state_dict`` already is
+    the module's own tensor under DCP's name of it (the same memory, shape, strides and dtype:
+    what a restore in place leaves) and loading a plain tree would only copy each onto itself.
+
+    ``nn.Module.load_state_dict`` filters the whole dict by each child's prefix: a flat
+    ``nn.Sequential`` of 1,000 layers made 1,000 passes over 2,000 keys (about 0.5 s)."""
+    if not _holds_own_tensors(model, state_dict):
+        set_model_state_dict(model, state_dict, options=StateDictOptions(strict=strict))
+
+
+def load_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> None:
+    """``set_optimizer_state_dict(model, optimizer, state_dict, options=LOAD_OPTIMIZER_OPTIONS)``
+    of a state dict keyed by DCP's parameter names.
+
+    Where DCP would only map names (a plain tree, an optimizer with state whose parameter groups
+    hold, in order, the parameters the saved groups name), the optimizer's own
+    ``load_state_dict`` gets the dict DCP would give it, without DCP's walk over every
+    parameter's name: for each group, the saved hyperparameters and the names, and the saved
+    state of each of its parameters that requires a gradient."""
+    split = _split_by_group(model, optimizer, state_dict)
+    if split is None:
+        set_optimizer_state_dict(model, optimizer, state_dict, options=LOAD_OPTIMIZER_OPTIONS)
+    else:
+        optimizer.load_state_dict(split)
+
+
+def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """DCP's name of each of ``optimizer``'s parameters (in the optimizer's order) in
+    ``model.named_parameters()`` (a shared parameter's first name).
+
+    Raises ``CheckpointError`` when ``model`` does not hold them all."""
+    rename = _dcp_names(model)
+    if rename is not None:
+        return _all_named(_names_by_position(model, optimizer, rename), model)
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        if id(param) not in names:
+            names[id(param)] = name if _get_fqns is None else next(iter(_get_fqns(model, name)))
+    params = chain.from_iterable(group["params"] for group in optimizer.param_groups)
+    return _all_named([names.get(id(param)) for param in params], model)
+
+
+def _all_named(names: list[str | None], model: nn.Module) -> list[str]:
+    """``names``, each a parameter's name; raises ``CheckpointError`` for a parameter without
+    one (not a parameter of ``model``)."""
+    missing = [index for index, name in enumerate(names) if name is None]
+    if missing:
+        raise CheckpointError(
+            f"parameters {missing[:5]} of the optimizer are not parameters of the module "
+            f"{type(model).__qualname__} it was paired with"
+        )
+    return cast(list[str], names)
+
+
+def _holds_own_tensors(model: nn.Module, state_dict: dict[str, Any]) -> bool:
+    """True where ``state_dict`` holds exactly ``model``'s own state dict (DCP's names, the
+    very memory of each tensor) and ``model.load_state_dict`` of it would only copy each value
+    onto itself (:func:`_loads_by_copy`)."""
+    rename = _dcp_names(model)
+    if rename is None or not _loads_by_copy(model):
+        return False
+    own = _own_state_dict(model, rename)
+    if len(own) != len(state_dict):
+        return False
+    for key, tensor in own.items():
+        loaded = state_dict.get(key)
+        if not (
+            type(tensor) is torch.Tensor
+            and type(loaded) is torch.Tensor
+            and loaded.dtype == tensor.dtype
+            and loaded.is_set_to(tensor)
+            and loaded.is_conj() == tensor.is_conj()
+            and loaded.is_neg() == tensor.is_neg()
+        ):
+            return False
+    return True
+
+
+def _loads_by_copy(model: nn.Module) -> bool:
+    """True where ``model.load_state_dict`` of a dict with exactly its own keys does nothing
+    but copy each value into the tensor under its key: torch's own ``load_state_dict``, no load
+    hook (lazy modules, FSDP2 and spectral norm have them), no ``_load_from_state_dict`` but
+    ``nn.Module``'s or torch's norm layers' (which only add a key the dict lacks or drop one
+    the module lacks), no extra state to set, parameters not swapped on load
+    (``torch.__future__.set_swap_module_params_on_conversion``)."""
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return False
+    if type(model).load_state_dict is not nn.Module.load_state_dict:
+        return False
+    if "load_state_dict" in vars(model):
+        return False
+    loads = (nn.Module._load_from_state_dict, *_NORM_LOADS)
+    for module in model.modules():
+        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+            return False
+        if type(module)._load_from_state_dict not in loads:
+            return False
+        if "_load_from_state_dict" in vars(module) or "set_extra_state" in vars(module):
+            return False
+        if type(module).set_extra_state is not nn.Module.set_extra_state:
+            return False
+    return True
+
+
+def _split_by_group(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> dict[str, Any] | None:
+    """What DCP's ``set_optimizer_state_dict`` hands ``optimizer.load_state_dict``, where it
+    would only map names (:func:`load_optimizer_state_dict`); None elsewhere."""
+    if not optimizer.state:  # (DCP would create the state by taking a step)
+        return None
+    if not (_own_method(optimizer, "state_dict") and _own_method(optimizer, "load_state_dict")):
+        return None
+    rename = _dcp_names(model)
+    saved_state, saved_groups = state_dict.get("state"), state_dict.get("param_groups")
+    if rename is None or not isinstance(saved_state, dict) or not isinstance(saved_groups, list):
+        return None
+    groups = optimizer.param_groups
+    if len(saved_groups) != len(groups):
+        return None
+    names = iter(_names_by_position(model, optimizer, rename))
+    state: dict[str, Any] = {}
+    split_groups: list[dict[str, Any]] = []
+    for group, saved in zip(groups, saved_groups, strict=True):
+        own = [next(names) for _ in group["params"]]
+        if not own or None in own or not isinstance(saved, dict) or saved.get("params") != own:
+            return None  # (DCP matches groups by the names they hold; an empty one specially)
+        for name, param in zip(own, group["params"], strict=True):
+            if param.requires_grad and name in saved_state:
+                state[name] = saved_state[name]
+        split_groups.append({"params": own, **{k: v for k, v in saved.items() if k != "params"}})
+    return {"state": state, "param_groups": split_groups}
+
+
+def _names_by_position(
+    model: nn.Module, optimizer: torch.optim.Optimizer, rename: Rename
+) -> list[str | None]:
+    """:func:`parameter_names` of a plain tree, renamed by ``rename``."""
+    params = list(chain.from_iterable(group["params"] for group in optimizer.param_groups))
+    position = {param: index for index, param in enumerate(params)}
+    names: list[str | None] = [None] * len(params)
+    for name, param in model.named_parameters():
+        index = position.get(param)
+        if index is not None:
+            names[index] = rename(name)
+    return names
 
 
 def _dcp_names(model: nn.Module) -> Rename | None:
@@ -198,13 +379,7 @@ def _named_optimizer_state_dict(
     """The optimizer's ``state_dict()`` with each parameter's position replaced by DCP's name of
     it in ``model.named_parameters()`` (the first name of a shared parameter), as DCP does."""
     own = optimizer.state_dict()
-    params = chain.from_iterable(group["params"] for group in optimizer.param_groups)
-    position = {param: index for index, param in enumerate(params)}
-    names: dict[int, str] = {}
-    for name, param in model.named_parameters():
-        index = position.get(param)
-        if index is not None:
-            names[index] = rename(name)
+    names = _all_named(_names_by_position(model, optimizer, rename), model)
     state = own["state"]
     for index in list(state):  # (re-inserted in their order, as DCP does)
         state[names[index]] = state.pop(index)

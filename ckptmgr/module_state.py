@@ -19,8 +19,11 @@ being saved holds a module and its one optimizer (with state, at the state's top
 state dicts are made by one call, the same dicts as the two calls make: each of DCP's maps
 every parameter's names anew (:meth:`TrainingObjects.joint_state_dicts`).
 
-Both are restored with ``set_model_state_dict`` / ``set_optimizer_state_dict``. Checkpoints with
-an optimizer keyed by position (from ``optimizer.state_dict()``) are still restored into
+Both are restored as ``set_model_state_dict`` / ``set_optimizer_state_dict`` restore them. In a
+plain tree (as above) a module whose state dict was filled in place is not loaded again, and an
+optimizer's dict is matched to its parameters by name without DCP's walk (see
+:mod:`ckptmgr.dcp_state_dicts`); elsewhere DCP's functions run. Checkpoints with an optimizer
+keyed by position (from ``optimizer.state_dict()``) are still restored into
 ``Optimizer`` objects, and an optimizer saved before its first step is saved without state and
 left unchanged.
 """
@@ -33,21 +36,11 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from ckptmgr import dcp_state_dicts
 from ckptmgr.errors import CheckpointError
 from ckptmgr.optimizer import create_state
 from ckptmgr.stateful import PerRank
-
-try:  # maps a parameter name to the name DCP uses (DDP/compile prefixes removed); torch >= 2.2
-    from torch.distributed.checkpoint.state_dict import _get_fqns
-except ImportError:  # pragma: no cover - a torch that moved it: use the names as they are
-    _get_fqns = None
 
 
 class SavedEntries(Protocol):
@@ -82,9 +75,7 @@ class ModelState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict`` (strictly: every key of the module must be present)."""
-        set_model_state_dict(
-            self.module, state_dict, options=StateDictOptions(strict=bool(state_dict))
-        )
+        dcp_state_dicts.load_model_state_dict(self.module, state_dict, strict=bool(state_dict))
 
 
 class OptimizerState:
@@ -180,9 +171,7 @@ class OptimizerState:
         if any(isinstance(p, int) for group in groups for p in group.get("params", [])):
             self.optimizer.load_state_dict(state_dict)
         elif state_dict.get("state"):
-            set_optimizer_state_dict(
-                self.model, self.optimizer, state_dict, options=StateDictOptions(strict=False)
-            )
+            dcp_state_dicts.load_optimizer_state_dict(self.model, self.optimizer, state_dict)
         else:  # nothing per parameter: set the groups and drop any state; no step is taken
             position = {name: index for index, name in enumerate(self._names())}
             unknown = [p for group in groups for p in group["params"] if p not in position]
@@ -198,23 +187,7 @@ class OptimizerState:
 
     def _names(self) -> list[str]:
         """The name of every parameter of the optimizer, in the optimizer's order."""
-        names: dict[int, str] = {}
-        for name, param in self.model.named_parameters():
-            names.setdefault(id(param), _canonical_name(self.model, name))
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        missing = [index for index, p in enumerate(params) if id(p) not in names]
-        if missing:
-            raise CheckpointError(
-                f"parameters {missing[:5]} of the optimizer are not parameters of the module "
-                f"{type(self.model).__qualname__} it was paired with"
-            )
-        return [names[id(p)] for p in params]
-
-
-def _canonical_name(model: nn.Module, name: str) -> str:
-    if _get_fqns is None:  # pragma: no cover
-        return name
-    return next(iter(_get_fqns(model, name)))
+        return dcp_state_dicts.parameter_names(self.model, self.optimizer)
 
 
 def _saved_group_sizes(saved: SavedEntries) -> list[int] | None:
