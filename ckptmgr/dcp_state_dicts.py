@@ -33,12 +33,14 @@ each onto itself it is skipped (:func:`load_model_state_dict`). ``set_optimizer_
 maps names again and hands the optimizer's ``load_state_dict`` the saved dict split by the
 optimizer's groups; the same split is made here from the names of the optimizer's parameters
 (:func:`load_optimizer_state_dict`; ``tests/test_dcp_state_dict_loads.py`` compares it with
-DCP's). The restore of that module and its optimizer: 0.84-1.08 s -> 0.44 s.
+DCP's), keyed by position in ranges (:func:`_by_position`). The restore of that module and its
+optimizer: 0.79-1.08 s -> 0.20-0.25 s.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from itertools import chain
 from typing import Any, cast
@@ -182,8 +184,10 @@ def load_optimizer_state_dict(
     split = _split_by_group(model, optimizer, state_dict)
     if split is None:
         set_optimizer_state_dict(model, optimizer, state_dict, options=LOAD_OPTIMIZER_OPTIONS)
+    elif getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", True):
+        optimizer.load_state_dict(split)  # (a hook sees the dict DCP would give it)
     else:
-        optimizer.load_state_dict(split)
+        optimizer.load_state_dict(_by_position(split))
 
 
 def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -292,6 +296,21 @@ def _split_by_group(
                 state[name] = saved_state[name]
         split_groups.append({"params": own, **{k: v for k, v in saved.items() if k != "params"}})
     return {"state": state, "param_groups": split_groups}
+
+
+def _by_position(split: dict[str, Any]) -> dict[str, Any]:
+    """``split`` (from :func:`_split_by_group`) keyed by each parameter's position in the
+    optimizer, each group's positions a ``range``: ``Optimizer.load_state_dict`` looks up the
+    parameter of every state tensor in its group's ``params``, which takes a scan of a list
+    (10,000 parameters with AdamW: 2.9 s to load keyed by name, 0.08 s by ranges)."""
+    position: dict[str, int] = {}
+    groups = []
+    for group in split["param_groups"]:
+        start = len(position)
+        position.update(zip(group["params"], itertools.count(start)))
+        groups.append({**group, "params": range(start, len(position))})
+    state = {position[name]: value for name, value in split["state"].items()}
+    return {"state": state, "param_groups": groups}
 
 
 def _names_by_position(

@@ -262,6 +262,36 @@ def test_an_optimizer_loads_as_dcp_loads_it(
         assert [group["lr"] for group in ours["param_groups"]] == [0.1, 0.01]
 
 
+def test_the_optimizers_load_is_keyed_by_position_in_ranges() -> None:
+    """The split handed to the optimizer's own load (with no pre-hook): each group's positions
+    a range (no scan of a list per state tensor), each state the saved one, under its
+    parameter's position in the optimizer."""
+    model, optimizer = _trained("adamw")
+    saved = get_optimizer_state_dict(model, optimizer)
+    split = dcp_state_dicts._split_by_group(model, optimizer, saved)
+    assert split is not None
+    made = dcp_state_dicts._by_position(split)
+    assert [group["params"] for group in made["param_groups"]] == [range(0, 2), range(2, 7)]
+    assert [group["lr"] for group in made["param_groups"]] == [0.1, 0.01]
+    names = dcp_state_dicts.parameter_names(model, optimizer)
+    assert list(made["state"]) == [names.index(name) for name in split["state"]]
+    assert all(made["state"][names.index(name)] is value for name, value in split["state"].items())
+
+
+def test_an_optimizers_load_pre_hook_sees_dcps_dict(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, optimizer = _trained("adamw")
+    saved = copy.deepcopy(get_optimizer_state_dict(model, optimizer))
+    seen: list[Any] = []
+    optimizer.register_load_state_dict_pre_hook(
+        lambda optimizer, state_dict: seen.append([g["params"] for g in state_dict["param_groups"]])
+    )
+    calls = Calls(monkeypatch, "set_optimizer_state_dict")
+    dcp_state_dicts.load_optimizer_state_dict(model, optimizer, saved)
+    assert calls.count == 0
+    assert seen == [[group["params"] for group in saved["param_groups"]]]
+    assert seen[0][0] == ["embed.weight", "blocks.a.0.weight"]
+
+
 def _an_empty_group(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     saved = get_optimizer_state_dict(model, optimizer)
     optimizer.add_param_group({"params": [], "lr": 0.5})
