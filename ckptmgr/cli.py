@@ -6,41 +6,49 @@ values are JSON, and DCP's ``.metadata`` is read with ckptmgr's restricted unpic
 
 Each command first builds a *report*, a plain JSON-compatible dict, and then prints it either as
 JSON (``--json``) or as tables, so the two outputs always agree. ``docs/cli.md`` documents the
-report of every command.
+report of every command. How reports are printed lives in :mod:`ckptmgr.cli_output`, the
+export's reading and writing in :mod:`ckptmgr.cli_export`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import functools
 import json
 import logging
 import math
 import os
-import re
 import sys
-import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, TextIO
+from typing import Any, TextIO
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.planner import ReadItem
 
-from ckptmgr import objects
 from ckptmgr._version import __version__
-from ckptmgr.dcp_io import TensorOnlyLoadPlanner, make_reader, read_metadata_file
+from ckptmgr.cli_export import check_output_path, export_state, render_export, write_torch_file
+from ckptmgr.cli_output import (
+    Report,
+    emit,
+    format_age,
+    format_bytes,
+    format_count,
+    format_display_time,
+    format_metrics,
+    format_shape,
+    format_timestamp,
+    one_line,
+    or_dash,
+    plural,
+    progress,
+    write_table,
+)
+from ckptmgr.dcp_io import read_metadata_file
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
-from ckptmgr.integrity import expected_files
-from ckptmgr.packing import PACK_KEY, placed_in_record, unpacked
 from ckptmgr.pruning import RecordReader, delete_steps, plan
-from ckptmgr.record import CommitRecord, is_raw
+from ckptmgr.record import CommitRecord
 from ckptmgr.retention import (
     KeepBest,
     KeepEveryNSeconds,
@@ -50,13 +58,11 @@ from ckptmgr.retention import (
     RetentionPolicy,
     combine,
 )
-from ckptmgr.state import split_rank_private
 from ckptmgr.storage import (
     DELETING_PREFIX,
     TMP_PREFIX,
     CheckpointStorage,
     Leftover,
-    objects_file_name,
     open_filesystem,
 )
 
@@ -73,7 +79,6 @@ EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,
     ImportError,
 )
-ESCAPED_KEY_CHAR = re.compile(r"%2F|%25")
 LEFTOVER_KINDS = {
     TMP_PREFIX: "interrupted_save",
     DELETING_PREFIX: "interrupted_delete",
@@ -87,7 +92,6 @@ LEFTOVER_KIND_TEXT = {
     QUARANTINED_KIND: "quarantined (damaged, kept)",
 }
 
-Report = dict[str, Any]
 Subparsers = Any  # argparse's _SubParsersAction is private
 
 
@@ -338,7 +342,7 @@ def report_error(error: Exception, *, verbose: bool, name_type: bool) -> int:
     """Print ``ckptmgr: error: ...`` on one line (after the traceback with ``--verbose``)."""
     if verbose:
         traceback.print_exc()
-    message = _one_line(error)
+    message = one_line(error)
     if name_type:
         message = f"{type(error).__name__}: {message}"
         if not verbose:
@@ -378,10 +382,6 @@ def log_to_stderr(*, verbose: bool) -> Iterator[None]:
     finally:
         root.removeHandler(handler)
         root.setLevel(previous_level)
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def _silence_stdout() -> None:
@@ -461,7 +461,7 @@ def step_summary(storage: CheckpointStorage, step: int) -> Report:
             "world_size": None,
             "metrics": {},
             "metadata": {},
-            "error": _one_line(error),
+            "error": one_line(error),
         }
     return {
         "step": step,
@@ -507,8 +507,8 @@ def render_ls(report: Report, out: TextIO) -> None:
         rows = [
             [
                 str(row["step"]),
-                _or_dash(row["committed_at"], format_display_time),
-                _or_dash(row["size"], format_bytes),
+                or_dash(row["committed_at"], format_display_time),
+                or_dash(row["size"], format_bytes),
                 f"unreadable: {row['error']}" if row["error"] else format_metrics(row["metrics"]),
             ]
             for row in report["steps"]
@@ -528,8 +528,8 @@ def render_ls(report: Report, out: TextIO) -> None:
         [
             row["name"],
             LEFTOVER_KIND_TEXT[row["kind"]],
-            _or_dash(row["age_s"], format_age),
-            _or_dash(row["size"], format_bytes),
+            or_dash(row["age_s"], format_age),
+            or_dash(row["size"], format_bytes),
         ]
         for row in leftovers
     ]
@@ -601,7 +601,7 @@ def render_inspect(report: Report, out: TextIO) -> None:
             row["name"],
             row["dtype"],
             format_shape(row["shape"]),
-            _or_dash(row["bytes"], format_bytes),
+            or_dash(row["bytes"], format_bytes),
         ]
         for row in report["tensors"]
     ]
@@ -609,7 +609,7 @@ def render_inspect(report: Report, out: TextIO) -> None:
     print(file=out)
     print(
         f"{plural(len(report['tensors']), 'tensor')}, "
-        f"{_or_dash(report['tensor_bytes'], format_bytes)} of tensor data; "
+        f"{or_dash(report['tensor_bytes'], format_bytes)} of tensor data; "
         f"{plural(len(report['files']), 'file')}, {format_bytes(report['size'])} on storage",
         file=out,
     )
@@ -677,7 +677,7 @@ def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: 
     try:
         record = storage.read_record(step)
     except CheckpointError as error:
-        row["error"] = _one_line(error)
+        row["error"] = one_line(error)
         return row
     step_path = storage.step_path(step)
     problems = storage.verify_files(step_path, record, deep=deep)
@@ -689,7 +689,7 @@ def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: 
         try:
             read_metadata_file(storage.fs, step_path)
         except CorruptCheckpointError as error:
-            row["problems"].append({"path": ".metadata", "problem": _one_line(error)})
+            row["problems"].append({"path": ".metadata", "problem": one_line(error)})
     row["ok"] = not row["problems"]
     return row
 
@@ -714,8 +714,8 @@ def render_verify(report: Report, out: TextIO) -> None:
         rows.append(
             [
                 str(row["step"]),
-                _or_dash(row["files"], str),
-                _or_dash(row["size"], format_bytes),
+                or_dash(row["files"], str),
+                or_dash(row["size"], format_bytes),
                 status,
             ]
         )
@@ -793,7 +793,7 @@ def render_prune(report: Report, out: TextIO) -> None:
     rows = [
         [
             str(row["step"]),
-            _or_dash(row["committed_at"], format_display_time),
+            or_dash(row["committed_at"], format_display_time),
             "kept" if row["kept"] else dropped,
             "; ".join(row["reasons"]),
         ]
@@ -850,16 +850,6 @@ def delete_with_progress(
 # -- export ----------------------------------------------------------------------------------
 
 
-@dataclass
-class ExportedState:
-    """A step rebuilt as nested dicts, and what went into it."""
-
-    state: dict[str, Any] = field(default_factory=dict)
-    tensor_count: int = 0
-    tensor_bytes: int = 0
-    plain_value_count: int = 0
-
-
 def run_export(args: argparse.Namespace) -> int:
     """``ckptmgr export``: one step as a single ``torch.save`` file."""
     storage = open_storage(args.path, args.storage_option)
@@ -884,379 +874,3 @@ def run_export(args: argparse.Namespace) -> int:
     }
     emit(report, args.json, render_export)
     return EXIT_OK
-
-
-def export_state(storage: CheckpointStorage, record: CommitRecord, rank: int) -> ExportedState:
-    """Load one step's tensors and plain values (as ``rank`` restores them) into nested dicts.
-
-    This is what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does (empty
-    tensors rebuilt from the metadata, loaded in one process), but safely: the metadata goes
-    through ckptmgr's restricted unpickler, and pickled (BYTE_IO) items are refused up front and
-    again in the planner, never unpickled.
-    """
-    metadata = new_reader(storage, record).read_metadata()
-    refuse_pickled_items(metadata)
-    placed = placed_in_record(record)
-    stored_tensors = [
-        name
-        for name, item in metadata.state_dict_metadata.items()
-        if isinstance(item, dcp_metadata.TensorStorageMetadata) and name != PACK_KEY
-    ]
-    stored_names = tensors_for_rank([*stored_tensors, *placed], rank)
-    buffers = {
-        name: empty_tensor_like(metadata.state_dict_metadata[name])
-        for name in stored_names
-        if name not in placed
-    }
-    if placed:
-        pack_item = metadata.state_dict_metadata.get(PACK_KEY)
-        if not isinstance(pack_item, dcp_metadata.TensorStorageMetadata):
-            raise CorruptCheckpointError(
-                "the record names packed tensors; the metadata has no pack"
-            )
-        buffers[PACK_KEY] = empty_tensor_like(pack_item)
-    exported = ExportedState(tensor_count=len(stored_names))
-    exported.tensor_bytes = sum(t.numel() * t.element_size() for t in buffers.values())
-    with progress("reading", exported.tensor_bytes, format_bytes) as bar:
-        planner = ProgressLoadPlanner(on_loaded=bar.advance)
-        dcp.load(buffers, storage_reader=new_reader(storage, record), planner=planner)
-    if placed:
-        buffers.update(unpacked(buffers.pop(PACK_KEY), placed))
-    tree = NestedState()
-    for name, path in stored_names.items():
-        tree.insert(path, buffers[name])
-    plain_values = read_plain_values(storage, record, rank)
-    for path, value in plain_values.items():
-        tree.insert(path, value)
-    exported.state = tree.root
-    exported.plain_value_count = len(plain_values)
-    return exported
-
-
-def new_reader(storage: CheckpointStorage, record: CommitRecord) -> Any:
-    """ckptmgr's safe DCP reader for one committed step: files checked against ``record``."""
-    return make_reader(
-        storage.url_for(storage.step_path(record.step)),
-        local=storage.is_local,
-        storage_options=storage.storage_options,
-        retry=storage.retry,
-        expected=expected_files(record.files, step=record.step) if record.files else None,
-        raw=is_raw(record),
-    )
-
-
-def refuse_pickled_items(metadata: dcp_metadata.Metadata) -> None:
-    """Raise ``CheckpointError`` if the checkpoint holds pickled (BYTE_IO) items."""
-    pickled = sorted(
-        name
-        for name, item in metadata.state_dict_metadata.items()
-        if isinstance(item, dcp_metadata.BytesStorageMetadata)
-    )
-    if pickled:
-        raise CheckpointError(
-            f"the checkpoint holds pickled objects {pickled}; ckptmgr never unpickles "
-            "checkpoint data, so it cannot export this step"
-        )
-
-
-def tensors_for_rank(names: Iterable[str], rank: int) -> dict[str, str]:
-    """Stored tensor name -> path, for what ``rank`` would restore, among the stored ``names``.
-
-    Shared tensors are stored under their path. Per-rank tensors (``%rank00003%/<path>``) are
-    taken from ``rank``, or from rank 0 when ``rank`` has no copy; other ranks' copies are left out.
-    """
-    chosen: dict[str, str] = {}
-    private: dict[str, dict[int, str]] = {}
-    for name in names:
-        private_name = split_rank_private(name)
-        if private_name is None:
-            chosen[name] = name
-        else:
-            rank_of_copy, path = private_name
-            private.setdefault(path, {})[rank_of_copy] = name
-    for path, by_rank in private.items():
-        name = by_rank.get(rank, by_rank.get(0))
-        if name is not None:
-            chosen[name] = path
-    return chosen
-
-
-def empty_tensor_like(item: dcp_metadata.TensorStorageMetadata) -> torch.Tensor:
-    """An uninitialised CPU tensor of the stored global shape and dtype."""
-    return torch.empty(item.size, dtype=item.properties.dtype)
-
-
-class ProgressLoadPlanner(TensorOnlyLoadPlanner):
-    """ckptmgr's tensor-only planner that reports the bytes of every chunk it has loaded."""
-
-    def __init__(self, on_loaded: Callable[[int], None]) -> None:
-        super().__init__()
-        self.on_loaded = on_loaded
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        """Called by DCP once a chunk is in place."""
-        super().commit_tensor(read_item, tensor)
-        self.on_loaded(tensor.numel() * tensor.element_size())
-
-
-def read_plain_values(
-    storage: CheckpointStorage, record: CommitRecord, rank: int
-) -> dict[str, Any]:
-    """Decoded plain values by path, from ``rank``'s file or else rank 0's (as restore does),
-    checked against the record's size and CRC-32 first (``CorruptCheckpointError``)."""
-    expected = expected_files(record.files, step=record.step) if record.files else None
-    for name in (objects_file_name(rank), objects_file_name(0)):
-        if name in record.object_files:
-            stored = storage.read_objects(record.step, name, expected)
-            return {path: objects.decode(value) for path, value in stored.items()}
-    return {}
-
-
-def unescape_key(part: str) -> str:
-    """Undo ``ckptmgr.state.join_path``'s escaping: ``%2F`` -> ``/`` and ``%25`` -> ``%``."""
-    return ESCAPED_KEY_CHAR.sub(lambda match: "/" if match[0] == "%2F" else "%", part)
-
-
-class NestedState:
-    """Nested dicts built from stored paths such as ``model/fc1.weight``."""
-
-    def __init__(self) -> None:
-        self.root: dict[str, Any] = {}
-        self._branches: set[tuple[str, ...]] = set()
-        self._leaves: set[tuple[str, ...]] = set()
-
-    def insert(self, path: str, value: Any) -> None:
-        """Put ``value`` at ``path``; ``CheckpointError`` if the path clashes with another."""
-        keys = tuple(unescape_key(part) for part in path.split("/"))
-        node = self.root
-        for depth in range(1, len(keys)):
-            if keys[:depth] in self._leaves:
-                raise self._clash(path)
-            self._branches.add(keys[:depth])
-            node = node.setdefault(keys[depth - 1], {})
-        if keys in self._leaves or keys in self._branches:
-            raise self._clash(path)
-        self._leaves.add(keys)
-        node[keys[-1]] = value
-
-    @staticmethod
-    def _clash(path: str) -> CheckpointError:
-        return CheckpointError(
-            f"cannot export: the checkpoint has a value at {path!r} and also under or above it"
-        )
-
-
-def check_output_path(output: Path) -> None:
-    """Fail before any loading if ``output`` cannot be written as a file."""
-    if output.is_dir():
-        raise CheckpointError(f"{output} is a directory; give the file to write")
-    if not output.parent.is_dir():
-        raise CheckpointError(f"cannot write {output}: {output.parent} is not a directory")
-
-
-def write_torch_file(state: Mapping[str, Any], output: Path, expected_bytes: int) -> None:
-    """``torch.save`` to a temporary file beside ``output``, fsync it, then rename it into place.
-
-    ``expected_bytes`` (the tensor data) sizes the progress bar; the file is slightly larger.
-    """
-    temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    try:
-        with (
-            progress("writing", expected_bytes, format_bytes) as bar,
-            open(temporary, "wb") as handle,
-        ):
-            torch.save(dict(state), CountingWriter(handle, bar.advance))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, output)
-    except RuntimeError as error:  # torch.save reports write failures as RuntimeError
-        raise CheckpointError(f"cannot write {output}: {_one_line(error)}") from error
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-class CountingWriter:
-    """A binary file for ``torch.save`` that reports the bytes written through it."""
-
-    def __init__(self, handle: BinaryIO, on_written: Callable[[int], None]) -> None:
-        self.handle = handle
-        self.on_written = on_written
-
-    def write(self, data: bytes) -> int:
-        """Write ``data`` to the file and report its size."""
-        written = self.handle.write(data)
-        self.on_written(memoryview(data).nbytes)
-        return written
-
-    def flush(self) -> None:
-        """Flush the file."""
-        self.handle.flush()
-
-
-def render_export(report: Report, out: TextIO) -> None:
-    """One summary line."""
-    print(
-        f"wrote step {report['step']} (rank {report['rank']}) to {report['output']}: "
-        f"{plural(report['tensors'], 'tensor')} ({format_bytes(report['tensor_bytes'])}), "
-        f"{plural(report['plain_values'], 'plain value')}, {format_bytes(report['file_size'])}",
-        file=out,
-    )
-
-
-# -- output ----------------------------------------------------------------------------------
-
-
-def emit(report: Report, as_json: bool, render: Callable[[Report, TextIO], None]) -> None:
-    """Print ``report`` as indented JSON, or with ``render`` for a person."""
-    if as_json:
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        render(report, sys.stdout)
-    sys.stdout.flush()
-
-
-def write_table(
-    out: TextIO, header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[str] = ()
-) -> None:
-    """Columns padded to their widest cell; the last column is not padded."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
-    right_aligned = {index for index, name in enumerate(header) if name in right}
-    for line in [list(header), *rows]:
-        cells = []
-        for index, cell in enumerate(line):
-            last = index == len(line) - 1
-            if index in right_aligned:
-                cells.append(cell.rjust(widths[index]))
-            else:
-                cells.append(cell if last else cell.ljust(widths[index]))
-        print("  ".join(cells).rstrip(), file=out)
-
-
-def format_timestamp(moment: _dt.datetime) -> str:
-    """ISO 8601 in UTC with a ``Z``, as in ``commit.json``."""
-    utc = moment.astimezone(_dt.timezone.utc) if moment.tzinfo else moment
-    return utc.replace(tzinfo=None).isoformat() + "Z"
-
-
-def format_display_time(timestamp: str) -> str:
-    """``2026-11-22T22:56:57.660572Z`` -> ``2026-11-22 22:56:57``."""
-    return timestamp.replace("T", " ").removesuffix("Z").split(".")[0]
-
-
-def format_bytes(size: float) -> str:
-    """Binary units: ``512 B``, ``3.1 KiB``, ``2.0 GiB``."""
-    if size < 1024:
-        return f"{int(size)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        size /= 1024
-        if size < 1024 or unit == "TiB":
-            break
-    return f"{size:.1f} {unit}"
-
-
-def format_count(count: float) -> str:
-    """A whole number of things."""
-    return str(int(count))
-
-
-def format_age(seconds: float) -> str:
-    """``42 s``, ``5 min``, ``3.0 h``, ``2.5 d``."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
-
-
-def format_metrics(metrics: Mapping[str, float]) -> str:
-    """``loss=0.25 acc=0.9`` (sorted by name)."""
-    return " ".join(f"{name}={value:g}" for name, value in sorted(metrics.items()))
-
-
-def format_shape(shape: Sequence[int]) -> str:
-    """``[2, 4]``; ``[]`` for a scalar."""
-    return "[" + ", ".join(str(size) for size in shape) + "]"
-
-
-def plural(count: int, noun: str) -> str:
-    """``1 tensor``, ``2 tensors``."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def _or_dash(value: Any, formatter: Callable[[Any], str]) -> str:
-    return "-" if value is None else formatter(value)
-
-
-# -- progress --------------------------------------------------------------------------------
-
-
-class ProgressBar:
-    """A one-line bar on a terminal, redrawn in place: ``reading [####....]  50% 1.0/2.0 MiB``."""
-
-    WIDTH = 30
-    MIN_REDRAW_S = 0.1
-
-    def __init__(
-        self, stream: TextIO, label: str, total: float, format_amount: Callable[[float], str]
-    ) -> None:
-        self.stream = stream
-        self.label = label
-        self.total = total
-        self.format_amount = format_amount
-        self.done = 0.0
-        self._last_draw = -math.inf
-        self._last_length = 0
-        self._drew_complete = False
-        self._draw()
-
-    def advance(self, amount: float) -> None:
-        """Count ``amount`` more as done; redraws at most every ``MIN_REDRAW_S`` seconds."""
-        self.done += amount
-        just_completed = self.done >= self.total and not self._drew_complete
-        if just_completed or time.monotonic() - self._last_draw >= self.MIN_REDRAW_S:
-            self._draw()
-
-    def close(self) -> None:
-        """Draw the final state and end the line."""
-        self._draw()
-        self.stream.write("\n")
-        self.stream.flush()
-
-    def _draw(self) -> None:
-        fraction = 1.0 if self.total <= 0 else min(self.done / self.total, 1.0)
-        filled = round(fraction * self.WIDTH)
-        text = (
-            f"{self.label} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction:4.0%} "
-            f"{self.format_amount(min(self.done, self.total))}/{self.format_amount(self.total)}"
-        )
-        padding = " " * max(self._last_length - len(text), 0)
-        self.stream.write(f"\r{text}{padding}")
-        self.stream.flush()
-        self._last_length = len(text)
-        self._last_draw = time.monotonic()
-        self._drew_complete = fraction >= 1.0
-
-
-class NoProgress:
-    """Stands in for :class:`ProgressBar` when stderr is not a terminal: draws nothing."""
-
-    def advance(self, amount: float) -> None:
-        """Ignore progress."""
-
-
-@contextmanager
-def progress(
-    label: str, total: float, format_amount: Callable[[float], str]
-) -> Iterator[ProgressBar | NoProgress]:
-    """A progress bar on stderr if stderr is a terminal, else one that prints nothing."""
-    if not sys.stderr.isatty():
-        yield NoProgress()
-        return
-    bar = ProgressBar(sys.stderr, label, total, format_amount)
-    try:
-        yield bar
-    finally:
-        bar.close()

@@ -27,7 +27,8 @@ from conftest import REPO, listed_table, run_python
 from torch import nn
 
 from ckptmgr import CheckpointManager, PerRank, objects
-from ckptmgr.cli import NestedState, parse_storage_option, tensors_for_rank, unescape_key
+from ckptmgr.cli import parse_storage_option
+from ckptmgr.cli_export import NestedState, tensors_for_rank, unescape_key
 from ckptmgr.errors import CheckpointError
 from ckptmgr.record import record_bytes
 from ckptmgr.state import flatten

@@ -1,0 +1,178 @@
+"""How the ``ckptmgr`` command line prints: reports as JSON or tables, sizes, counts, times,
+and progress bars on a terminal (see :mod:`ckptmgr.cli`)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, TextIO
+
+Report = dict[str, Any]
+"""A command's report: a plain JSON-compatible dict, printed as JSON or for a person."""
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line (its type's name when it has none)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def emit(report: Report, as_json: bool, render: Callable[[Report, TextIO], None]) -> None:
+    """Print ``report`` as indented JSON, or with ``render`` for a person."""
+    if as_json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render(report, sys.stdout)
+    sys.stdout.flush()
+
+
+def write_table(
+    out: TextIO, header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[str] = ()
+) -> None:
+    """Columns padded to their widest cell; the last column is not padded."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    right_aligned = {index for index, name in enumerate(header) if name in right}
+    for line in [list(header), *rows]:
+        cells = []
+        for index, cell in enumerate(line):
+            last = index == len(line) - 1
+            if index in right_aligned:
+                cells.append(cell.rjust(widths[index]))
+            else:
+                cells.append(cell if last else cell.ljust(widths[index]))
+        print("  ".join(cells).rstrip(), file=out)
+
+
+def format_timestamp(moment: _dt.datetime) -> str:
+    """ISO 8601 in UTC with a ``Z``, as in ``commit.json``."""
+    utc = moment.astimezone(_dt.timezone.utc) if moment.tzinfo else moment
+    return utc.replace(tzinfo=None).isoformat() + "Z"
+
+
+def format_display_time(timestamp: str) -> str:
+    """``2026-11-22T22:56:57.660572Z`` -> ``2026-11-22 22:56:57``."""
+    return timestamp.replace("T", " ").removesuffix("Z").split(".")[0]
+
+
+def format_bytes(size: float) -> str:
+    """Binary units: ``512 B``, ``3.1 KiB``, ``2.0 GiB``."""
+    if size < 1024:
+        return f"{int(size)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+def format_count(count: float) -> str:
+    """A whole number of things."""
+    return str(int(count))
+
+
+def format_age(seconds: float) -> str:
+    """``42 s``, ``5 min``, ``3.0 h``, ``2.5 d``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def format_metrics(metrics: Mapping[str, float]) -> str:
+    """``loss=0.25 acc=0.9`` (sorted by name)."""
+    return " ".join(f"{name}={value:g}" for name, value in sorted(metrics.items()))
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """``[2, 4]``; ``[]`` for a scalar."""
+    return "[" + ", ".join(str(size) for size in shape) + "]"
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 tensor``, ``2 tensors``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def or_dash(value: Any, formatter: Callable[[Any], str]) -> str:
+    """``value`` formatted, or ``-`` when it is None (not known)."""
+    return "-" if value is None else formatter(value)
+
+
+# -- progress --------------------------------------------------------------------------------
+
+
+class ProgressBar:
+    """A one-line bar on a terminal, redrawn in place: ``reading [####....]  50% 1.0/2.0 MiB``."""
+
+    WIDTH = 30
+    MIN_REDRAW_S = 0.1
+
+    def __init__(
+        self, stream: TextIO, label: str, total: float, format_amount: Callable[[float], str]
+    ) -> None:
+        self.stream = stream
+        self.label = label
+        self.total = total
+        self.format_amount = format_amount
+        self.done = 0.0
+        self._last_draw = -math.inf
+        self._last_length = 0
+        self._drew_complete = False
+        self._draw()
+
+    def advance(self, amount: float) -> None:
+        """Count ``amount`` more as done; redraws at most every ``MIN_REDRAW_S`` seconds."""
+        self.done += amount
+        just_completed = self.done >= self.total and not self._drew_complete
+        if just_completed or time.monotonic() - self._last_draw >= self.MIN_REDRAW_S:
+            self._draw()
+
+    def close(self) -> None:
+        """Draw the final state and end the line."""
+        self._draw()
+        self.stream.write("\n")
+        self.stream.flush()
+
+    def _draw(self) -> None:
+        fraction = 1.0 if self.total <= 0 else min(self.done / self.total, 1.0)
+        filled = round(fraction * self.WIDTH)
+        text = (
+            f"{self.label} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction:4.0%} "
+            f"{self.format_amount(min(self.done, self.total))}/{self.format_amount(self.total)}"
+        )
+        padding = " " * max(self._last_length - len(text), 0)
+        self.stream.write(f"\r{text}{padding}")
+        self.stream.flush()
+        self._last_length = len(text)
+        self._last_draw = time.monotonic()
+        self._drew_complete = fraction >= 1.0
+
+
+class NoProgress:
+    """Stands in for :class:`ProgressBar` when stderr is not a terminal: draws nothing."""
+
+    def advance(self, amount: float) -> None:
+        """Ignore progress."""
+
+
+@contextmanager
+def progress(
+    label: str, total: float, format_amount: Callable[[float], str]
+) -> Iterator[ProgressBar | NoProgress]:
+    """A progress bar on stderr if stderr is a terminal, else one that prints nothing."""
+    if not sys.stderr.isatty():
+        yield NoProgress()
+        return
+    bar = ProgressBar(sys.stderr, label, total, format_amount)
+    try:
+        yield bar
+    finally:
+        bar.close()
