@@ -1118,10 +1118,10 @@ class CheckpointManager:
         Tensors are filled in place; plain values are replaced in their dicts/lists; objects
         with ``load_state_dict`` get it called. Modules and optimizers are loaded as DCP's
         ``set_model_state_dict``/``set_optimizer_state_dict`` load them; an optimizer's missing
-        state is created first. Raises :class:`StepNotFoundError` for a step that is not committed and
-        ``CheckpointError`` when ``state_dict`` has a key the checkpoint lacks. Under
-        torch.distributed this is a collective, and it raises on every rank when the state of any
-        rank does not match the checkpoint.
+        state is created first. Raises :class:`StepNotFoundError` for a step that is not
+        committed and ``CheckpointError`` when ``state_dict`` has a key the checkpoint lacks.
+        Under torch.distributed this is a collective, and it raises on every rank when the
+        state of any rank does not match the checkpoint.
         """
         self._check_open()
         step = _checked_step(step)
