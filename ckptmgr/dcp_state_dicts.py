@@ -99,6 +99,9 @@ and the process group of FSDP version 1's optimizer state, which is never plain.
 GET_OPTIONS = StateDictOptions(strict=False)
 """The options ckptmgr gets DCP's state dicts with (``strict`` only makes
 ``get_model_state_dict`` reject a module without state, ``nn.ReLU()``)."""
+_OPTIMIZER_LOAD = torch.optim.Optimizer.load_state_dict
+"""torch's own load of an optimizer: its state becomes the given state, whole."""
+
 LOAD_OPTIMIZER_OPTIONS = StateDictOptions(strict=False)
 """The options ckptmgr loads an optimizer's state dict with: a parameter without saved state is
 left without state (as it was when saved)."""
@@ -273,7 +276,9 @@ def _split_by_group(
 ) -> dict[str, Any] | None:
     """What DCP's ``set_optimizer_state_dict`` hands ``optimizer.load_state_dict``, where it
     would only map names (:func:`load_optimizer_state_dict`); None elsewhere."""
-    if not optimizer.state:  # (DCP would create the state by taking a step)
+    if not optimizer.state and type(optimizer).load_state_dict is not _OPTIMIZER_LOAD:
+        # DCP would create the state by taking a step, which torch's own load then replaces
+        # with the loaded state whole: only that load may be called without the step
         return None
     if not (_own_method(optimizer, "state_dict") and _own_method(optimizer, "load_state_dict")):
         return None

@@ -29,6 +29,7 @@ from ckptmgr import objects
 from ckptmgr.errors import CheckpointError
 from ckptmgr.module_state import TrainingObjects
 from ckptmgr.stateful import PerRank, is_stateful
+from ckptmgr.tensor_table import TensorEntry
 
 try:
     from torch.distributed.tensor import DTensor
@@ -320,8 +321,13 @@ def plan_restore(
     saved_objects: Mapping[str, Any],
     rank: int = 0,
     objects_rank: int | None = None,
+    saved_entries: Mapping[str, TensorEntry] | None = None,
 ) -> RestorePlan:
     """Match ``state`` against a checkpoint's stored tensor names and plain values.
+
+    ``saved_entries``: the stored tensors' shapes and dtypes by name (the record's tensor
+    table), with which an optimizer's missing state is made from what the checkpoint holds
+    rather than by a step (:meth:`ckptmgr.module_state.OptimizerState.restore_template`).
 
     ``saved_objects`` are the plain values of ``objects_rank`` (default: ``rank``); a rank whose
     own file is missing (a job restarted with more ranks) reads rank 0's. Plain values are
@@ -340,7 +346,7 @@ def plan_restore(
     objects_rank = rank if objects_rank is None else objects_rank
     saved_names = saved_tensors if type(saved_tensors) is list else list(saved_tensors)
     planner = _RestorePlanner(
-        TrainingObjects(state), saved_names, saved_objects, rank, objects_rank
+        TrainingObjects(state), saved_names, saved_objects, rank, objects_rank, saved_entries
     )
     try:
         if type(state) is dict:
@@ -399,6 +405,26 @@ class _Saved:
                 return True, value
         return False, None
 
+    def children(self, *keys: object) -> list[str] | None:
+        """The keys stored directly below ``keys``, each a stored tensor or plain value; None
+        where one holds more below it, a key was escaped, the value is per-rank or was stored
+        whole as one plain value, or the stored tensors' shapes are not known."""
+        path = self._path(keys)
+        if self.private or self.planner.saved_entries is None or path in self.planner.saved_objects:
+            return None
+        below = self.planner.children_index.get(path, [])
+        index = self.planner.children_index
+        if any("%" in key or join_path(path, key) in index for key in below):
+            return None
+        return below
+
+    def tensor(self, *keys: object) -> TensorEntry | None:
+        """The shape and dtype of the tensor stored at ``keys`` (None: none, or not known)."""
+        entries = self.planner.saved_entries
+        if entries is None or self.private:
+            return None
+        return entries.get(self._path(keys))
+
     def has(self, *keys: object) -> bool:
         path = self._path(keys)
         stored = self.planner.stored_names(path, self.private)
@@ -418,8 +444,10 @@ class _RestorePlanner:
         saved_objects: Mapping[str, Any],
         rank: int,
         objects_rank: int,
+        saved_entries: Mapping[str, TensorEntry] | None = None,
     ) -> None:
         self.training = training
+        self.saved_entries = saved_entries
         self.saved_names = saved_names
         self._saved_after = 0  # the position in saved_names after the last run found in order
         self.saved_objects = saved_objects
@@ -431,6 +459,21 @@ class _RestorePlanner:
     def saved_tensors(self) -> set[str]:
         """The stored tensor names (a set made when first needed)."""
         return set(self.saved_names)
+
+    @functools.cached_property
+    def children_index(self) -> dict[str, list[str]]:
+        """Path -> the last parts of the stored tensors' and plain values' paths directly below
+        it, in stored order (made when first needed)."""
+        index: dict[str, list[str]] = {}
+        for name in chain(self.saved_names, self.saved_objects):
+            parent, _, last = name.rpartition("/")
+            while True:
+                seen = parent in index
+                index.setdefault(parent, []).append(last)
+                if seen or not parent:  # (the paths above were listed with it)
+                    break
+                parent, _, last = parent.rpartition("/")
+        return index
 
     @functools.cached_property
     def tensor_paths(self) -> set[str]:

@@ -87,8 +87,14 @@ class StepRestorer:
                     pack_reads.append(pack_read)
             self._storage.check_sizes(step, record)  # every file, one listing
             saved_objects = self._storage.read_objects(step, objects_name, expected, objects_ahead)
+            table = record.tensor_table
             plan = plan_restore(
-                state_dict, record.tensor_table.names, saved_objects, self._comm.rank, objects_rank
+                state_dict,
+                table.names,
+                saved_objects,
+                self._comm.rank,
+                objects_rank,
+                saved_entries=table.entries,
             )
             to_load, unpack = pack_load.split_for_load(
                 plan.tensors, record, None if pack_read is None else pack_read.buffer

@@ -207,11 +207,15 @@ def test_an_optimizers_dict_is_split_as_dcp_splits_it(kind: str, change: Any) ->
 
 
 def _loaded_both_ways(
-    kind: str, monkeypatch: pytest.MonkeyPatch, change: Callable[[dict[str, Any]], None]
+    kind: str,
+    monkeypatch: pytest.MonkeyPatch,
+    change: Callable[[dict[str, Any]], None],
+    without_state: bool = False,
 ) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """(DCP's calls made by ckptmgr's load, the optimizer's state dict after ckptmgr's load,
     after DCP's) of a trained optimizer's dict (changed by ``change``) into two copies of
-    one trained elsewhere."""
+    one trained elsewhere (``without_state``: their optimizers' state dropped, as a new
+    optimizer's, which DCP creates with a step first)."""
     source_model, source = _trained(kind)
     with torch.no_grad():  # (other values than the destinations')
         for param in source_model.parameters():
@@ -221,6 +225,9 @@ def _loaded_both_ways(
     saved = copy.deepcopy(get_optimizer_state_dict(source_model, source))
     change(saved)
     ours, dcps = _trained(kind), _trained(kind)
+    if without_state:
+        ours[1].state.clear()
+        dcps[1].state.clear()
     calls = Calls(monkeypatch, "set_optimizer_state_dict")
     dcp_state_dicts.load_optimizer_state_dict(ours[0], ours[1], copy.deepcopy(saved))
     monkeypatch.undo()
@@ -250,12 +257,14 @@ def _groups_swapped(saved: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 @pytest.mark.parametrize("change", [lambda saved: None, _groups_swapped])
+@pytest.mark.parametrize("without_state", [False, True], ids=["with-state", "without-state"])
 def test_an_optimizer_loads_as_dcp_loads_it(
-    kind: str, change: Any, monkeypatch: pytest.MonkeyPatch
+    kind: str, change: Any, without_state: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The optimizer ends up as DCP's load leaves it; saved groups in another order than the
-    optimizer's (DCP matches them by the names they hold) get DCP's call."""
-    calls, ours, dcps = _loaded_both_ways(kind, monkeypatch, change)
+    """The optimizer ends up as DCP's load leaves it, one without state too (which DCP gives a
+    step first); saved groups in another order than the optimizer's (DCP matches them by the
+    names they hold) get DCP's call."""
+    calls, ours, dcps = _loaded_both_ways(kind, monkeypatch, change, without_state)
     assert _equal(ours, dcps)
     assert calls == (1 if change is _groups_swapped else 0)
     if change is _groups_swapped:  # each group got its own hyperparameters back
@@ -299,8 +308,15 @@ def _an_empty_group(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     return saved
 
 
-def _no_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+class OwnLoadAdamW(torch.optim.AdamW):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+
+
+def _no_state_and_an_own_load(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """(Without state DCP takes a step first; only torch's own load replaces that state whole.)"""
     saved = get_optimizer_state_dict(model, optimizer)
+    optimizer.__class__ = OwnLoadAdamW
     optimizer.state.clear()
     return saved
 
@@ -311,7 +327,7 @@ def _patched_load(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     return saved
 
 
-@pytest.mark.parametrize("case", [_an_empty_group, _no_state, _patched_load])
+@pytest.mark.parametrize("case", [_an_empty_group, _no_state_and_an_own_load, _patched_load])
 def test_optimizer_loads_dcp_would_do_more_for_get_its_call(
     case: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

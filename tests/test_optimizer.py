@@ -311,3 +311,156 @@ def test_a_failed_restore_leaves_a_fresh_optimizer_without_state(ckpt_dir: Path)
         mgr.restore(1, {"model": target_model, "optim": target_optimizer})
     assert len(target_optimizer.state) == 2
     assert torch.equal(target_model.weight, saved_model.weight)
+
+
+# --- A new optimizer's state made from the checkpoint, without a step ---------------------------
+def nadam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.NAdam(params, lr=1e-2)  # (a scalar of its own besides step)
+
+
+def adam_amsgrad(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2, amsgrad=True)
+
+
+def rmsprop(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.RMSprop(params, lr=1e-3, momentum=0.5, centered=True)
+
+
+class OwnAdamW(torch.optim.AdamW):
+    """An optimizer that is not one of torch's own (its state made by a step, as before)."""
+
+
+def own_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return OwnAdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+class CreateStateCalls:
+    """The parameters ``create_state`` (the step that makes an optimizer's state) was asked
+    to make state for."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from ckptmgr import module_state
+
+        self.params: list[torch.Tensor] = []
+        real = module_state.create_state
+
+        def recorded(optimizer: torch.optim.Optimizer, params: Any = None) -> Any:
+            self.params.extend(params or [])
+            return real(optimizer, params)
+
+        monkeypatch.setattr(module_state, "create_state", recorded)
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [*OPTIMIZERS, nadam, adam_amsgrad, rmsprop, pytest.param(own_adamw, id="not-torchs")],
+)
+def test_a_new_optimizers_state_is_made_from_the_checkpoint(
+    ckpt_dir: Path, make_optimizer: OptimizerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted job's optimizer has no state: for torch's own optimizers the restore makes
+    it from what the checkpoint holds, without a step (for others by a step, as before). The
+    state is the saved one bit for bit, its keys in the order a step makes them, each tensor
+    laid out like the one the step made, and training goes on identically."""
+    original, saved = save_trained(ckpt_dir, make_optimizer)
+    restored = Trainer.create(make_optimizer, seed=1)
+    assert not restored.optimizer.state
+    calls = CreateStateCalls(monkeypatch)
+    with CheckpointManager(ckpt_dir, save_interval=5, chkpt_on_preemption=False) as mgr:
+        mgr.restore(5, restored.objects())
+    by_a_step = make_optimizer is own_adamw
+    assert len(calls.params) == (len(list(restored.model.parameters())) if by_a_step else 0)
+    assert_same_training_state(restored, saved)
+    params = zip(original.model.parameters(), restored.model.parameters(), strict=True)
+    for original_param, restored_param in params:
+        made = restored.optimizer.state[restored_param]
+        stepped = original.optimizer.state[original_param]
+        assert list(made) == list(stepped)  # (the order of the keys too)
+        for key, value in stepped.items():
+            layout = (value.dtype, value.device, value.shape, value.stride())
+            assert (made[key].dtype, made[key].device, made[key].shape, made[key].stride()) == (
+                layout
+            ), key
+    assert_training_continues_identically(original, restored)
+
+
+def test_a_new_optimizers_state_keeps_the_parameters_layout_and_plain_values(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A channels-last parameter's moments are channels-last, as a step makes them (a weight
+    large enough to be stored outside the pack of small tensors: its ``step`` still comes
+    first); a plain value in a parameter's state is restored as it was saved."""
+    torch.manual_seed(0)
+    saved_model = nn.Conv2d(64, 32, 3).to(memory_format=torch.channels_last)  # (72 KiB)
+    saved_optimizer = torch.optim.AdamW(saved_model.parameters(), lr=0.01)
+    saved_model(torch.randn(2, 64, 6, 6)).sum().backward()
+    saved_optimizer.step()
+    saved_optimizer.state[saved_model.bias]["note"] = 3
+    target_model = nn.Conv2d(64, 32, 3).to(memory_format=torch.channels_last)
+    target_optimizer = torch.optim.AdamW(target_model.parameters(), lr=0.01)
+    calls = CreateStateCalls(monkeypatch)
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"model": saved_model, "optim": saved_optimizer})
+        mgr.restore(1, {"model": target_model, "optim": target_optimizer})
+    assert calls.params == []
+    weight_state = target_optimizer.state[target_model.weight]
+    assert list(weight_state) == ["step", "exp_avg", "exp_avg_sq"]
+    assert target_model.weight.is_contiguous(memory_format=torch.channels_last)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert weight_state[key].stride() == target_model.weight.stride(), key
+        assert torch.equal(weight_state[key], saved_optimizer.state[saved_model.weight][key])
+    bias_state = target_optimizer.state[target_model.bias]
+    assert bias_state["note"] == 3 and list(bias_state)[-1] == "note"
+    assert torch.equal(bias_state["exp_avg"], saved_optimizer.state[saved_model.bias]["exp_avg"])
+
+
+def test_a_new_optimizers_step_count_keeps_its_own_dtype(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``step`` is made as the step makes it (float32 on the CPU), not in the parameters' dtype
+    (float64 here; in bfloat16 a count past 256 would round)."""
+    torch.manual_seed(0)
+    saved_model = nn.Linear(3, 2).double()
+    saved_optimizer = torch.optim.AdamW(saved_model.parameters(), lr=0.01)
+    for _ in range(3):
+        saved_model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+        saved_optimizer.step()
+    target_model = nn.Linear(3, 2).double()
+    target_optimizer = torch.optim.AdamW(target_model.parameters(), lr=0.01)
+    calls = CreateStateCalls(monkeypatch)
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"model": saved_model, "optim": saved_optimizer})
+        mgr.restore(1, {"model": target_model, "optim": target_optimizer})
+    assert calls.params == []
+    for saved_param, target_param in zip(
+        saved_model.parameters(), target_model.parameters(), strict=True
+    ):
+        step = target_optimizer.state[target_param]["step"]
+        assert step.dtype == torch.float32 and step.device.type == "cpu" and step.item() == 3
+        exp_avg = target_optimizer.state[target_param]["exp_avg"]
+        assert exp_avg.dtype == torch.float64
+        assert torch.equal(exp_avg, saved_optimizer.state[saved_param]["exp_avg"])
+
+
+def test_a_parameter_whose_saved_state_holds_more_than_tensors_gets_its_state_by_a_step(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the checkpoint's state of a parameter holds a container (a list of tensors, as
+    LBFGS keeps), that parameter's state is made by a step as before; the others' from the
+    checkpoint."""
+    saved_model = two_layers()
+    saved_optimizer = trained_one_step(saved_model)
+    saved_optimizer.state[saved_model[0].weight]["history"] = [torch.ones(2), torch.zeros(2)]
+    target_model = two_layers()
+    target_optimizer = torch.optim.Adam(target_model.parameters(), lr=0.01)
+    calls = CreateStateCalls(monkeypatch)
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"model": saved_model, "optim": saved_optimizer})
+        mgr.restore(1, {"model": target_model, "optim": target_optimizer})
+    assert calls.params == [target_model[0].weight]
+    for saved_param, target_param in zip(
+        saved_model.parameters(), target_model.parameters(), strict=True
+    ):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            got = target_optimizer.state[target_param][key]
+            assert torch.equal(got, saved_optimizer.state[saved_param][key]), key
