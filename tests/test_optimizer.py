@@ -351,6 +351,21 @@ class CreateStateCalls:
         monkeypatch.setattr(module_state, "create_state", recorded)
 
 
+def saved_and_restored(
+    ckpt_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    saved: tuple[nn.Module, torch.optim.Optimizer],
+    target: tuple[nn.Module, torch.optim.Optimizer],
+) -> CreateStateCalls:
+    """Save ``saved`` (a module and its optimizer) as step 1, restore it into ``target``;
+    returns the parameters the restore made state for by a step."""
+    calls = CreateStateCalls(monkeypatch)
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"model": saved[0], "optim": saved[1]})
+        mgr.restore(1, {"model": target[0], "optim": target[1]})
+    return calls
+
+
 @pytest.mark.parametrize(
     "make_optimizer",
     [*OPTIMIZERS, nadam, adam_amsgrad, rmsprop, pytest.param(own_adamw, id="not-torchs")],
@@ -398,10 +413,9 @@ def test_a_new_optimizers_state_keeps_the_parameters_layout_and_plain_values(
     saved_optimizer.state[saved_model.bias]["note"] = 3
     target_model = nn.Conv2d(64, 32, 3).to(memory_format=torch.channels_last)
     target_optimizer = torch.optim.AdamW(target_model.parameters(), lr=0.01)
-    calls = CreateStateCalls(monkeypatch)
-    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
-        mgr.save(1, {"model": saved_model, "optim": saved_optimizer})
-        mgr.restore(1, {"model": target_model, "optim": target_optimizer})
+    calls = saved_and_restored(
+        ckpt_dir, monkeypatch, (saved_model, saved_optimizer), (target_model, target_optimizer)
+    )
     assert calls.params == []
     weight_state = target_optimizer.state[target_model.weight]
     assert list(weight_state) == ["step", "exp_avg", "exp_avg_sq"]
@@ -427,10 +441,9 @@ def test_a_new_optimizers_step_count_keeps_its_own_dtype(
         saved_optimizer.step()
     target_model = nn.Linear(3, 2).double()
     target_optimizer = torch.optim.AdamW(target_model.parameters(), lr=0.01)
-    calls = CreateStateCalls(monkeypatch)
-    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
-        mgr.save(1, {"model": saved_model, "optim": saved_optimizer})
-        mgr.restore(1, {"model": target_model, "optim": target_optimizer})
+    calls = saved_and_restored(
+        ckpt_dir, monkeypatch, (saved_model, saved_optimizer), (target_model, target_optimizer)
+    )
     assert calls.params == []
     for saved_param, target_param in zip(
         saved_model.parameters(), target_model.parameters(), strict=True
@@ -453,10 +466,9 @@ def test_a_parameter_whose_saved_state_holds_more_than_tensors_gets_its_state_by
     saved_optimizer.state[saved_model[0].weight]["history"] = [torch.ones(2), torch.zeros(2)]
     target_model = two_layers()
     target_optimizer = torch.optim.Adam(target_model.parameters(), lr=0.01)
-    calls = CreateStateCalls(monkeypatch)
-    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
-        mgr.save(1, {"model": saved_model, "optim": saved_optimizer})
-        mgr.restore(1, {"model": target_model, "optim": target_optimizer})
+    calls = saved_and_restored(
+        ckpt_dir, monkeypatch, (saved_model, saved_optimizer), (target_model, target_optimizer)
+    )
     assert calls.params == [target_model[0].weight]
     for saved_param, target_param in zip(
         saved_model.parameters(), target_model.parameters(), strict=True
