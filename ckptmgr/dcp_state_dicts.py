@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 from collections.abc import Callable
 from itertools import chain
 from typing import Any, cast
@@ -85,11 +86,6 @@ try:  # torch's norm layers' loads, which only add or drop keys a module's own d
 except (ImportError, AttributeError):  # pragma: no cover - a torch that moved them
     _NORM_LOADS = ()
 
-try:
-    from torch._dynamo.eval_frame import OptimizedModule
-except ImportError:  # pragma: no cover - torch without dynamo
-    OptimizedModule = None  # type: ignore[assignment,misc]
-
 READ_AGAINST = ((2, 10), (2, 14))
 """The lowest and highest (major, minor) torch versions whose DCP state-dict API
 (``torch/distributed/checkpoint/state_dict.py``) this module was read against; on any other,
@@ -109,18 +105,12 @@ left without state (as it was when saved)."""
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 """The attribute of an activation-checkpoint wrapper that holds the wrapped module; DCP removes
 its prefix from names."""
-_WRAPPED_AS: dict[type, str] = {
-    kind: name
-    for kind, name in ((OptimizedModule, "_orig_mod"), (DistributedDataParallel, "module"))
-    if kind is not None
-}
-"""``torch.compile``'s and DDP's wrappers, and the name under which each holds the module it
-wraps: DCP removes that name from the names below it (``_orig_mod.0.weight``,
-``module.0.weight`` -> ``0.weight``)."""
+_COMPILE_WRAPPER_MODULE = "torch._dynamo.eval_frame"
+"""Where ``torch.compile``'s wrapper, ``OptimizedModule``, is defined. Importing it costs about
+a second (all of dynamo), so it is looked up only once something imported it: no module can be
+one before (:func:`_wrapped_as`)."""
 _FQN_MODIFIERS = "_fqn_modifiers"
 """A module method whose renaming DCP applies (``StateDictOptions.dsd_fqn_modifiers``)."""
-
-_WRAPPER_KINDS = tuple(_WRAPPED_AS)
 
 _FSDP1_WRAPPERS: tuple[type, ...] = tuple(
     kind for kind in (FullyShardedDataParallel,) if kind is not None
@@ -342,12 +332,12 @@ def _dcp_names(model: nn.Module) -> Rename | None:
         return None
     if not _own_method(model, "state_dict"):
         return None
+    wrappers = _wrapped_as()
+    wrapper_kinds = tuple(wrappers)
     wrapped_as: set[str] = set()  # the names of the wrappers' children in this tree
     for module in model.modules():
-        if isinstance(module, _WRAPPER_KINDS):
-            wrapped_as.update(
-                name for kind, name in _WRAPPED_AS.items() if isinstance(module, kind)
-            )
+        if isinstance(module, wrapper_kinds):
+            wrapped_as.update(name for kind, name in wrappers.items() if isinstance(module, kind))
         if (
             isinstance(module, _FSDP1_WRAPPERS)
             or _get_module_fsdp_state(module) is not None
@@ -360,11 +350,23 @@ def _dcp_names(model: nn.Module) -> Rename | None:
     if not wrapped_as:
         return _as_it_is
     for module in model.modules():  # only the wrappers hold something under their names
-        if not isinstance(module, _WRAPPER_KINDS) and not wrapped_as.isdisjoint(
+        if not isinstance(module, wrapper_kinds) and not wrapped_as.isdisjoint(
             chain(module._modules, module._parameters, module._buffers)
         ):
             return None
     return functools.partial(_without_parts, frozenset(wrapped_as))
+
+
+def _wrapped_as() -> dict[type, str]:
+    """``torch.compile``'s and DDP's wrappers, and the name under which each holds the module it
+    wraps: DCP removes that name from the names below it (``_orig_mod.0.weight``,
+    ``module.0.weight`` -> ``0.weight``). ``torch.compile``'s only once dynamo was imported."""
+    wrappers: dict[type, str] = {DistributedDataParallel: "module"}
+    compile_wrappers = sys.modules.get(_COMPILE_WRAPPER_MODULE)
+    compiled = getattr(compile_wrappers, "OptimizedModule", None)
+    if isinstance(compiled, type):
+        wrappers[compiled] = "_orig_mod"
+    return wrappers
 
 
 def _as_it_is(name: str) -> str:

@@ -6,6 +6,8 @@ memory, shape, strides, dtype, type), the same plain values. Where DCP would do 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +212,28 @@ def test_compiled_modules_dicts_are_made_without_dcp_and_are_dcps(
     assert "blocks.a.0.weight" in expected["optim"]["state"]
     _no_dcp_calls(monkeypatch)
     assert differences(_made(model, optimizer), expected) == []
+
+
+def test_importing_ckptmgr_leaves_dynamo_unimported_and_a_later_compile_is_still_seen() -> None:
+    """Importing dynamo (``torch.compile``'s wrapper class) took about a second of every
+    ``import ckptmgr``: a CLI command, a torchrun worker, a daemon. It is imported only by a
+    program that compiles; ckptmgr, imported before that, still names the compiled module's
+    parameters as DCP does (without ``_orig_mod``)."""
+    program = """
+import sys
+import ckptmgr
+from ckptmgr import dcp_state_dicts
+assert "torch._dynamo" not in sys.modules, "import ckptmgr imported dynamo"
+import torch
+model = torch.compile(torch.nn.Linear(2, 2))
+names = dcp_state_dicts._dcp_names(model)
+assert names is not None and names("_orig_mod.weight") == "weight", names
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def _checkpoint_wrapped(model: nn.Module) -> nn.Module:
