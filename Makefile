@@ -26,10 +26,11 @@ format: $(STAMP)
 	$(PY) -m ruff format ckptmgr tests examples benchmarks
 	$(PY) -m ruff check --fix ckptmgr tests examples benchmarks
 
-# then tests/test_cuda.py once more on the CPU (skipped above without a GPU): the GPU tests are
+# the whole suite (its 25 slowest tests listed: it runs close to CI's 20-minute limit), then
+# tests/test_cuda.py once more on the CPU (skipped above without a GPU): the GPU tests are
 # themselves checked on every run, not only on a machine with a GPU
 test: lint
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --maxprocesses=4
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --maxprocesses=4 --durations=25
 	CKPTMGR_TEST_DEVICE=cpu $(PY) -m pytest -n $(PYTEST_WORKERS) --maxprocesses=4 tests/test_cuda.py
 
 bench: $(STAMP)
