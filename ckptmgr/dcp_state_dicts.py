@@ -95,8 +95,6 @@ and the process group of FSDP version 1's optimizer state, which is never plain.
 GET_OPTIONS = StateDictOptions(strict=False)
 """The options ckptmgr gets DCP's state dicts with (``strict`` only makes
 ``get_model_state_dict`` reject a module without state, ``nn.ReLU()``)."""
-_OPTIMIZER_LOAD = torch.optim.Optimizer.load_state_dict
-"""torch's own load of an optimizer: its state becomes the given state, whole."""
 
 LOAD_OPTIMIZER_OPTIONS = StateDictOptions(strict=False)
 """The options ckptmgr loads an optimizer's state dict with: a parameter without saved state is
@@ -183,6 +181,13 @@ def load_optimizer_state_dict(
         optimizer.load_state_dict(_by_position(split))
 
 
+def loads_with_torchs_load(optimizer: torch.optim.Optimizer) -> bool:
+    """True where ``optimizer.load_state_dict`` is torch's own ``Optimizer.load_state_dict``
+    (neither its class's nor one set on the object), whose state becomes the given state."""
+    own_load = "load_state_dict" in vars(optimizer)
+    return not own_load and type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict
+
+
 def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """DCP's name of each of ``optimizer``'s parameters (in the optimizer's order) in
     ``model.named_parameters()`` (a shared parameter's first name).
@@ -266,7 +271,7 @@ def _split_by_group(
 ) -> dict[str, Any] | None:
     """What DCP's ``set_optimizer_state_dict`` hands ``optimizer.load_state_dict``, where it
     would only map names (:func:`load_optimizer_state_dict`); None elsewhere."""
-    if not optimizer.state and type(optimizer).load_state_dict is not _OPTIMIZER_LOAD:
+    if not optimizer.state and not loads_with_torchs_load(optimizer):
         # DCP would create the state by taking a step, which torch's own load then replaces
         # with the loaded state whole: only that load may be called without the step
         return None

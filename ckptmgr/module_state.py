@@ -218,11 +218,9 @@ def _loads_saved_state(optimizer: torch.optim.Optimizer) -> bool:
     given as the state (keys as saved, each tensor cast to its parameter's dtype and moved to
     its device, ``step`` left where it is unless ``capturable`` or ``fused``), and none of
     whose state holds more than tensors and plain values under string keys."""
-    kind = type(optimizer)
     return (
-        kind.__module__.startswith("torch.optim.")
-        and kind.load_state_dict is torch.optim.Optimizer.load_state_dict
-        and "load_state_dict" not in vars(optimizer)
+        type(optimizer).__module__.startswith("torch.optim.")
+        and dcp_state_dicts.loads_with_torchs_load(optimizer)
         and not getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", True)
     )
 
