@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import logging
 import math
@@ -319,6 +320,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with log_to_stderr(verbose=args.verbose):
         return run_command(args)
+
+
+def console_main() -> int:
+    """The ``ckptmgr`` console script and ``python -m ckptmgr``: :func:`main`, whose objects are
+    then frozen (``gc.freeze()``) so that the interpreter's finalization does not collect them.
+    With torch loaded that collection took about 0.75 s of a command's 4.5 s, for nothing: the
+    command is done (its files closed, its output written), exit handlers still run, and the
+    kernel frees the process's memory."""
+    try:
+        return main()
+    finally:
+        gc.freeze()
 
 
 def run_command(args: argparse.Namespace) -> int:
