@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import json
 import os
 import sys
@@ -1155,4 +1156,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    finally:
+        gc.freeze()  # (the interpreter's last collection skipped: about 0.7 s with torch loaded)
