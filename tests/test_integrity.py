@@ -20,7 +20,13 @@ import pytest
 import torch
 from conftest import REPO, run_python
 
-from ckptmgr import CheckpointError, CheckpointManager, CorruptCheckpointError, StepNotFoundError
+from ckptmgr import (
+    CheckpointError,
+    CheckpointManager,
+    CorruptCheckpointError,
+    StepNotFoundError,
+    cli,
+)
 from ckptmgr.record import CommitRecord, record_bytes
 from ckptmgr.storage import CheckpointStorage, step_dir_name
 
@@ -605,24 +611,27 @@ class _BytesStream:
 # -- the command line ---------------------------------------------------------------------------
 
 
-def test_cli_verify_reports_damage_with_exit_status_1(tmp_path: Path) -> None:
+def test_cli_verify_reports_damage_with_exit_status_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ckptmgr verify``: one real process for the exit status of damage, the rest as
+    ``cli.main`` calls here (every CLI process imports torch: seconds each)."""
     root = str(tmp_path / "ckpts")
     with manager(root) as mgr:
         mgr.save(1, state_of(1))
         mgr.save(2, state_of(2))
-    cli = [str(REPO / "ckptmgr" / "__main__.py")]
-    ok = run_python(Path(cli[0]), "verify", root, "--deep", "--json")
-    assert ok.returncode == 0, ok.stderr
-    report = json.loads(ok.stdout)
+    code, out, err = cli_here(capsys, "verify", root, "--deep", "--json")
+    assert code == 0, err
+    report = json.loads(out)
     assert report["deep"] is True
     assert [(row["step"], row["ok"]) for row in report["steps"]] == [(1, True), (2, True)]
     assert all(row["checksums"] == row["files"] for row in report["steps"])
 
     name = distcp_name(root, 2)
     flip_bit(root, 2, name)
-    fast = run_python(Path(cli[0]), "verify", root, "2")
-    assert fast.returncode == 0, fast.stderr  # sizes only: a flipped bit is invisible
-    deep = run_python(Path(cli[0]), "verify", root, "2", "--deep", "--json")
+    code, out, err = cli_here(capsys, "verify", root, "2")
+    assert code == 0, err  # sizes only: a flipped bit is invisible
+    deep = run_python(REPO / "ckptmgr" / "__main__.py", "verify", root, "2", "--deep", "--json")
     assert deep.returncode == 1
     row = json.loads(deep.stdout)["steps"][0]
     assert row["ok"] is False and row["problems"][0]["path"] == name
@@ -630,15 +639,23 @@ def test_cli_verify_reports_damage_with_exit_status_1(tmp_path: Path) -> None:
 
     with manager(root) as mgr:
         assert mgr.restore_latest(empty_state()) == 1
-    listing = run_python(Path(cli[0]), "ls", root, "--all", "--json")
-    assert listing.returncode == 0, listing.stderr
-    ls_report = json.loads(listing.stdout)
+    code, out, err = cli_here(capsys, "ls", root, "--all", "--json")
+    assert code == 0, err
+    ls_report = json.loads(out)
     assert [row["step"] for row in ls_report["steps"]] == [1]
     assert [(row["name"], row["kind"]) for row in ls_report["leftovers"]] == [
         ("step_000000000002", "quarantined")
     ]
-    text = run_python(Path(cli[0]), "verify", root, "2", "--deep")
-    assert text.returncode == 1 and "quarantined" in text.stdout
+    code, out, err = cli_here(capsys, "verify", root, "2", "--deep")
+    assert code == 1 and "quarantined" in out
+
+
+def cli_here(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``ckptmgr ARGV`` as ``cli.main`` in this process: its exit status, stdout and stderr."""
+    capsys.readouterr()
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_cli_verify_reports_a_step_deleted_while_it_is_checked_as_deleted_not_damaged(
@@ -647,8 +664,6 @@ def test_cli_verify_reports_a_step_deleted_while_it_is_checked_as_deleted_not_da
     """`ckptmgr verify` of a root that a job is writing: a step its retention deletes between
     the listing and the check is reported as deleted meanwhile, and the exit status is 0 (it
     was reported damaged, status 1). Fault injection: the check of step 1 deletes it first."""
-    from ckptmgr import cli
-
     root = str(tmp_path / "ckpts")
     with manager(root) as mgr:
         for step in (1, 2):
