@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ckptmgr.errors import CorruptCheckpointError
-from ckptmgr.tensor_bytes import OrderedHasher
+from ckptmgr.ordered_hash import OrderedHasher
 
 WINDOW_BYTES = 32 * 2**20
 """Bytes fetched by one ranged read (AWS advises byte-range fetches of 8 to 16 MB; larger ones

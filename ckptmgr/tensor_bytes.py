@@ -7,8 +7,8 @@ one tensor after another. DCP's metadata still gives each item's file, offset an
 dtype and chunk shape, so nothing else is needed to read the bytes back.
 
 * Writing goes straight from the (staged) tensor's memory to the file, with the GIL released for
-  the whole ``write`` call; the file's CRC-32 is computed by :class:`OrderedHasher` on a second
-  thread while the next bytes are written.
+  the whole ``write`` call; the file's CRC-32 is computed on a second thread while the next
+  bytes are written (:class:`ckptmgr.ordered_hash.OrderedHasher`).
 * Reading goes straight into the destination tensor when it is the whole stored chunk and laid
   out like it (the usual in-place restore); into a CUDA destination laid out like it, through
   pieces of pinned host memory, each copied to the device while the next is read
@@ -25,8 +25,6 @@ import io
 import itertools
 import operator
 import os
-import queue
-import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -35,14 +33,8 @@ import torch
 from ckptmgr.direct_read import DirectReader, open_direct_read
 from ckptmgr.direct_write import DirectWriter, open_direct
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
-from ckptmgr.integrity import crc32
-from ckptmgr.niceness import run_calling_thread_in_background
+from ckptmgr.ordered_hash import HANDOFF_BYTES, OrderedHasher
 from ckptmgr.writeback import WriteBehind
-
-PARALLEL_HASHING = True
-"""Hash on a helper thread (at a lower priority) beside the I/O, or else on the writing thread."""
-_HANDOFF_BYTES = 1 << 20
-"""Small pieces are batched until this many bytes before the hashing thread gets them."""
 
 
 def check_storable(name: str, tensor: torch.Tensor) -> None:
@@ -120,92 +112,6 @@ def contiguous_cpu(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     return tensor if tensor.is_contiguous() else tensor.contiguous()
-
-
-class OrderedHasher:
-    """CRC-32 of a sequence of byte pieces, computed on a helper thread in the order given.
-
-    ``add`` returns at once (``crc32`` releases the GIL for large buffers, so hashing runs
-    beside the caller's I/O); ``result`` waits for every piece. Each piece's owner (the tensor
-    whose memory it views) is held until the piece is hashed. With ``max_backlog_bytes``,
-    ``add`` waits while more than that many bytes handed to the thread are not hashed yet (for
-    pieces whose memory exists only to be hashed, so that a slow hash cannot pile them up).
-    ``inline``: hash each piece in ``add`` instead, on the caller's thread (as everywhere where
-    ``PARALLEL_HASHING`` is off).
-    """
-
-    def __init__(self, max_backlog_bytes: int | None = None, *, inline: bool = False) -> None:
-        self._queue: queue.SimpleQueue[list[tuple[memoryview, Any]] | None] = queue.SimpleQueue()
-        self._batch: list[tuple[memoryview, Any]] = []
-        self._batch_bytes = 0
-        self._crc = 0
-        self._error: BaseException | None = None
-        self._max_backlog = max_backlog_bytes
-        self._backlog = 0  # bytes queued for the thread and not hashed yet
-        self._hashed = threading.Condition()
-        self._inline = inline or not PARALLEL_HASHING
-        self._thread = threading.Thread(target=self._run, name="ckptmgr-crc32", daemon=True)
-        if not self._inline:
-            self._thread.start()
-
-    def add(self, piece: memoryview, owner: Any = None) -> None:
-        """Queue ``piece`` (hashed after every piece added before it)."""
-        if self._inline:
-            self._crc = crc32(piece, self._crc)
-            return
-        self._batch.append((piece, owner))
-        self._batch_bytes += piece.nbytes
-        if self._batch_bytes >= _HANDOFF_BYTES:
-            self._flush()
-
-    def result(self) -> int:
-        """The CRC-32 of all pieces added (waits for the hashing thread; ends it)."""
-        if self._inline:
-            return self._crc
-        self._flush()
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._crc
-
-    def _flush(self) -> None:
-        if not self._batch:
-            return
-        if self._max_backlog is not None:
-            with self._hashed:
-                while self._backlog > self._max_backlog and self._thread.is_alive():
-                    self._hashed.wait(_BACKLOG_POLL_S)
-                self._backlog += self._batch_bytes
-        self._queue.put(self._batch)
-        self._batch = []
-        self._batch_bytes = 0
-
-    def _run(self) -> None:
-        run_calling_thread_in_background()
-        crc = 0
-        try:
-            while True:
-                batch = self._queue.get()
-                if batch is None:
-                    break
-                hashed = 0
-                for piece, _owner in batch:
-                    crc = crc32(piece, crc)
-                    hashed += piece.nbytes
-                del batch
-                with self._hashed:
-                    self._backlog -= hashed
-                    self._hashed.notify_all()
-        except BaseException as exc:  # pragma: no cover - crc32 does not fail on bytes
-            self._error = exc
-        finally:
-            self._crc = crc
-            with self._hashed:
-                self._hashed.notify_all()  # a waiting add() sees the thread gone
-
-
-_BACKLOG_POLL_S = 1.0  # how often a waiting add() checks that the hashing thread still runs
 
 
 class TensorSink(Protocol):
@@ -505,7 +411,7 @@ class VerifyingLocalFile:
     def _skip_to(self, offset: int | None) -> None:
         """Read (and hash) the bytes up to ``offset`` (None: to the end of the file)."""
         while offset is None or self._position < offset:
-            want = _HANDOFF_BYTES * 8 if offset is None else min(offset - self._position, 1 << 23)
+            want = HANDOFF_BYTES * 8 if offset is None else min(offset - self._position, 1 << 23)
             buffer = torch.empty(want, dtype=torch.uint8)
             count = self._reader.read(byte_view(buffer), self._position)
             if not count:

@@ -36,6 +36,7 @@ from ckptmgr import (
     CheckpointManager,
     CommitRecord,
     CorruptCheckpointError,
+    ordered_hash,
     tensor_bytes,
 )
 from ckptmgr.record import TensorEntry, TensorTable, record_bytes
@@ -1018,7 +1019,7 @@ def flip_middle_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-class HashingAtTheEnd(tensor_bytes.OrderedHasher):
+class HashingAtTheEnd(ordered_hash.OrderedHasher):
     """Fault injection: a hashing thread that runs as late as it may, hashing nothing before
     ``result()``."""
 
@@ -1119,8 +1120,8 @@ def test_a_hasher_with_a_backlog_limit_waits_for_the_hashing(
         assert gate.wait(bound_s), "the test never opened the gate"
         return zlib.crc32(data, value)
 
-    monkeypatch.setattr(tensor_bytes, "crc32", gated_crc32)
-    hasher = tensor_bytes.OrderedHasher(max_backlog_bytes=2 * MIB)
+    monkeypatch.setattr(ordered_hash, "crc32", gated_crc32)
+    hasher = ordered_hash.OrderedHasher(max_backlog_bytes=2 * MIB)
     pieces = [bytes([n]) * MIB for n in range(8)]
     added: list[int] = []
 
