@@ -26,10 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
-
 from ckptmgr._version import __version__
-from ckptmgr.cli_export import check_output_path, export_state, render_export, write_torch_file
 from ckptmgr.cli_output import (
     Report,
     emit,
@@ -46,7 +43,6 @@ from ckptmgr.cli_output import (
     progress,
     write_table,
 )
-from ckptmgr.dcp_io import read_metadata_file
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptmgr.pruning import RecordReader, delete_steps, plan
 from ckptmgr.record import CommitRecord
@@ -591,6 +587,8 @@ def inspect_report(storage: CheckpointStorage, record: CommitRecord) -> Report:
 
 def tensor_nbytes(dtype_name: str, shape: Sequence[int]) -> int | None:
     """Bytes of a dense tensor of this dtype and shape (None for a dtype torch does not know)."""
+    import torch  # (only here: ls, prune, rm and verify run without torch)
+
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
         return None
@@ -700,6 +698,8 @@ def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: 
     row["problems"] = [{"path": p.path, "problem": p.problem} for p in problems]
     if deep and not problems and any(entry.path == ".metadata" for entry in record.files):
         try:
+            from ckptmgr.dcp_io import read_metadata_file  # (imports DCP: only here)
+
             read_metadata_file(storage.fs, step_path)
         except CorruptCheckpointError as error:
             row["problems"].append({"path": ".metadata", "problem": one_line(error)})
@@ -865,6 +865,13 @@ def delete_with_progress(
 
 def run_export(args: argparse.Namespace) -> int:
     """``ckptmgr export``: one step as a single ``torch.save`` file."""
+    from ckptmgr.cli_export import (  # (imports torch: only here and for inspect)
+        check_output_path,
+        export_state,
+        render_export,
+        write_torch_file,
+    )
+
     storage = open_storage(args.path, args.storage_option)
     record = read_committed_record(storage, args.step)
     if not 0 <= args.rank < record.world_size:
