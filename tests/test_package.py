@@ -4,9 +4,11 @@ from its module on first use (so that ``import ckptmgr`` alone imports no torch:
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,25 @@ def test_every_public_name_is_its_modules_object() -> None:
         module = importlib.import_module(ckptmgr._HOMES[name])
         assert value is getattr(module, name), name
     assert sorted(ckptmgr._HOMES) == sorted(set(ckptmgr.__all__) - {"__version__"})
+
+
+def test_the_imports_for_type_checkers_name_the_same_modules() -> None:
+    """The ``if TYPE_CHECKING:`` imports (what type checkers and editors see) import each
+    public name from the module ``__getattr__`` imports it from."""
+    tree = ast.parse(Path(ckptmgr.__file__).read_text(encoding="utf-8"))
+    blocks = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    ]
+    assert len(blocks) == 1
+    imported = {
+        alias.name: node.module
+        for node in blocks[0].body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert imported == ckptmgr._HOMES
 
 
 def test_dir_lists_the_public_names_and_an_unknown_name_raises_attribute_error() -> None:
