@@ -587,10 +587,10 @@ def inspect_report(storage: CheckpointStorage, record: CommitRecord) -> Report:
 
 def tensor_nbytes(dtype_name: str, shape: Sequence[int]) -> int | None:
     """Bytes of a dense tensor of this dtype and shape (None for a dtype torch does not know)."""
-    import torch  # (only here: ls, prune, rm and verify run without torch)
+    from ckptmgr.dtypes import dtype_named  # (imports torch: ls, prune, rm and verify do not)
 
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = dtype_named(dtype_name)
+    if dtype is None:
         return None
     return math.prod(shape) * dtype.itemsize
 

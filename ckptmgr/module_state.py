@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ckptmgr import dcp_state_dicts
+from ckptmgr.dtypes import dtype_named
 from ckptmgr.errors import CheckpointError
 from ckptmgr.optimizer import create_state
 from ckptmgr.stateful import PerRank
@@ -252,8 +253,8 @@ def _state_from_checkpoint(
         if entry is None:
             made[name] = None  # a plain value (the restore puts the stored one here)
             continue
-        dtype = getattr(torch, entry.dtype, None)
-        if not isinstance(dtype, torch.dtype):
+        dtype = dtype_named(entry.dtype)
+        if dtype is None:
             return None
         if name == "step":  # (kept as given unless capturable/fused, which move it)
             made[name] = torch.empty(entry.shape, dtype=dtype)

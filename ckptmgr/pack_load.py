@@ -22,6 +22,7 @@ from typing import Protocol, cast
 
 import torch
 
+from ckptmgr.dtypes import dtype_named
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.packing import PACK_KEY
 from ckptmgr.record import CommitRecord, TensorTable
@@ -190,8 +191,8 @@ def _direct_runs(
         return None
     by_name: dict[str, _StoredDtype] = {}
     for name in set(names):
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype) or dtype.is_complex:
+        dtype = dtype_named(name)
+        if dtype is None or dtype.is_complex:
             return None
         by_name[name] = dtypes.setdefault(name, _StoredDtype(dtype))
     # dtype, device, number of dimensions and of bytes in one pass over the destinations (each
@@ -362,8 +363,8 @@ class _StoredDtype:
 
 
 def _stored_dtype(key: str, dtype_name: str) -> _StoredDtype:
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = dtype_named(dtype_name)
+    if dtype is None:
         raise CorruptCheckpointError(f"{key!r} has the unknown dtype {dtype_name!r}")
     return _StoredDtype(dtype)
 

@@ -42,6 +42,7 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from ckptmgr import tensor_bytes
+from ckptmgr.dtypes import dtype_named
 from ckptmgr.packing import PACK_KEY
 from ckptmgr.tensor_table import TensorTable
 
@@ -206,8 +207,8 @@ def pack_size(table: TensorTable) -> int | None:
         positions = [i for i, offset in enumerate(offsets) if offset == last]
     sizes = []
     for position in positions:
-        dtype = getattr(torch, table.dtypes[position], None)
-        if not isinstance(dtype, torch.dtype):
+        dtype = dtype_named(table.dtypes[position])
+        if dtype is None:
             return None
         sizes.append(math.prod(table.shapes[position]) * dtype.itemsize)
     return last + max(sizes)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from ckptmgr.dtypes import dtype_named
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.record import CommitRecord, TensorEntry, TensorTable
 from ckptmgr.state import is_rank_private
@@ -343,8 +344,8 @@ def placed_in_record(record: CommitRecord) -> dict[str, PackedTensor]:
             continue
         dtype = dtypes.get(dtype_name)
         if dtype is None:
-            dtype = getattr(torch, dtype_name, None)
-            if not isinstance(dtype, torch.dtype):
+            dtype = dtype_named(dtype_name)
+            if dtype is None:
                 raise CorruptCheckpointError(f"{key!r} has the unknown dtype {dtype_name!r}")
             dtypes[dtype_name] = dtype
         placed[key] = PackedTensor(offset, dtype, tuple(shape))

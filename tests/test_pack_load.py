@@ -17,6 +17,7 @@ from conftest import packed_names, set_tensor_rows, tensor_rows
 from torch import nn
 
 from ckptmgr import CheckpointError, CheckpointManager, CorruptCheckpointError, pack_load
+from ckptmgr.dtypes import dtype_named
 from ckptmgr.record import CommitRecord, record_bytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64]
@@ -168,6 +169,76 @@ def test_a_record_that_describes_the_pack_wrongly_is_corruption(
         with pytest.raises(CorruptCheckpointError):
             manager.restore(1, target)
     assert all(torch.count_nonzero(value) == 0 for value in target.values())
+
+
+def test_dtype_named_knows_every_dtype_by_its_stored_name_and_nothing_else() -> None:
+    dtypes = {value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+    assert torch.float8_e4m3fn in dtypes and torch.bfloat16 in dtypes
+    for dtype in dtypes:
+        assert dtype_named(str(dtype).removeprefix("torch.")) is dtype
+    for name in ("_inductor", "onnx", "has_cudnn", "Tensor", "load", "dtype", "no_such_dtype"):
+        assert dtype_named(name) is None, name
+
+
+A_CHECKPOINTS_DTYPE_NAMES = r"""
+import contextlib, io, json, sys, warnings
+
+import torch
+
+from ckptmgr import CheckpointManager, CorruptCheckpointError
+from ckptmgr.cli import main
+
+root = sys.argv[1]
+results = {}
+with warnings.catch_warnings(record=True) as caught, CheckpointManager(root, 1) as manager:
+    warnings.simplefilter("always")
+    for name, keys in (("restore", ("a", "b", "c")), ("partial", ("a",))):
+        try:
+            manager.restore(1, {key: torch.zeros(8) for key in keys})
+            results[name] = "returned"
+        except CorruptCheckpointError as error:
+            results[name] = str(error)
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    results["inspect_rc"] = main(["inspect", root, "1", "--json"])
+results["bytes"] = {row["name"]: row["bytes"] for row in json.loads(out.getvalue())["tensors"]}
+results["imported"] = sorted(
+    name for name in ("torch._inductor", "torch._dynamo", "torch.onnx") if name in sys.modules
+)
+results["warnings"] = [str(warning.message) for warning in caught]
+print(json.dumps(results))
+"""
+
+
+def test_a_dtype_name_that_is_a_module_or_function_of_torch_is_refused_without_using_it(
+    tmp_path: Path,
+) -> None:
+    """A record's dtype names are looked up among torch's dtypes only: ``getattr(torch,
+    name)`` imports a module of torch for some names (``_inductor``: seconds) and calls a
+    deprecated function for others (``has_cudnn``), which a checkpoint must not make a restore
+    or ``ckptmgr inspect`` do. In a fresh interpreter, where neither module was imported."""
+    from conftest import run_python
+
+    saved = {key: torch.rand(8) for key in ("a", "b", "c")}
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        assert manager.save(1, saved)
+
+    def edit(record: dict) -> None:
+        rows = tensor_rows(record)
+        assert packed_names(record) == set(saved)
+        rows["b"]["dtype"] = "_inductor"
+        rows["c"]["dtype"] = "has_cudnn"
+        set_tensor_rows(record, rows)
+
+    _edit_record(tmp_path, edit)
+    result = run_python(A_CHECKPOINTS_DTYPE_NAMES, str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "unknown dtype '_inductor'" in report["restore"]
+    assert "unknown dtype '_inductor'" in report["partial"]  # (the pack sized by all rows)
+    assert report["inspect_rc"] == 0
+    assert report["bytes"] == {"a": 32, "b": None, "c": None}
+    assert report["imported"] == [], "a name from the checkpoint imported a module of torch"
+    assert not [w for w in report["warnings"] if "has_cudnn" in w], report["warnings"]
 
 
 def test_a_packed_byte_tensor_at_offset_minus_one_is_corruption_not_skipped(
