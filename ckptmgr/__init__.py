@@ -12,6 +12,7 @@ and ``verify``, does not import torch and DCP (about 3 s of a 2-core machine's t
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from ckptmgr._version import __version__
@@ -131,13 +132,17 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The public ``name``, imported from its module on first use (then kept here)."""
+    """The public ``name``, imported from its module on first use (then kept here); or a
+    submodule, imported on first use (``ckptmgr.record.record_bytes`` after ``import
+    ckptmgr``, as when the package imported every module)."""
     home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+    if home is not None:
+        value = getattr(importlib.import_module(home), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")  # (which sets it here)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

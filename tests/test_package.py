@@ -49,6 +49,7 @@ def test_dir_lists_the_public_names_and_an_unknown_name_raises_attribute_error()
     with pytest.raises(AttributeError, match="has no attribute 'NoSuchName'"):
         ckptmgr.NoSuchName  # noqa: B018
     assert not hasattr(ckptmgr, "no_such_module")
+    assert not hasattr(ckptmgr, "_no_such_private_module")
 
 
 def test_a_fresh_import_imports_no_torch_until_a_name_needs_it() -> None:
@@ -56,6 +57,8 @@ def test_a_fresh_import_imports_no_torch_until_a_name_needs_it() -> None:
 import sys
 import ckptmgr
 assert "torch" not in sys.modules, "import ckptmgr imported torch"
+assert ckptmgr.record.record_bytes is sys.modules["ckptmgr.record"].record_bytes  # a submodule
+assert "torch" not in sys.modules, "ckptmgr.record imported torch"
 from ckptmgr import *
 assert "torch" in sys.modules
 assert CheckpointManager is sys.modules["ckptmgr.manager"].CheckpointManager
