@@ -1,6 +1,7 @@
 """The CRC-32 of a file's bytes, computed on a helper thread in the order they are written or
-read (:class:`OrderedHasher`), beside the I/O. Needs no torch: a restore from an object store
-and the ``ckptmgr`` command line's file checks use it too."""
+read (:class:`OrderedHasher`), beside the I/O. Imports no torch: :mod:`ckptmgr.remote_read`
+uses it too, which :mod:`ckptmgr.storage` imports, and the ``ckptmgr`` commands that only read
+records and list files (``ls``, ``verify``, ``prune``, ``rm``) run without torch."""
 
 from __future__ import annotations
 
