@@ -35,6 +35,10 @@ optimizer's groups; the same split is made here from the names of the optimizer'
 (:func:`load_optimizer_state_dict`; ``tests/test_dcp_state_dict_loads.py`` compares it with
 DCP's), keyed by position in ranges (:func:`_by_position`). The restore of that module and its
 optimizer: 0.79-1.08 s -> 0.20-0.25 s.
+
+Each function takes the module as a :class:`ModuleNames`, which keeps what they work out
+about its names (whether DCP would only rename, the names of an optimizer's parameters) for
+one save or restore: a restore asked five and three times (1,000 layers: about 10 ms of it).
 """
 
 from __future__ import annotations
@@ -118,63 +122,97 @@ Rename = Callable[[str], str]
 """DCP's name of a parameter or state-dict key, from the module's own."""
 
 
-def model_state_dict(model: nn.Module) -> dict[str, Any]:
-    """``get_model_state_dict(model, options=GET_OPTIONS)``."""
-    rename = _dcp_names(model)
+class ModuleNames:
+    """A module, and DCP's names of what it holds, worked out once for one save or restore.
+
+    Telling whether DCP would do no more than rename walks the module tree (:func:`_dcp_names`;
+    1,000 layers: about 2 ms) and naming an optimizer's parameters takes a pass over
+    ``named_parameters()`` (about 3 ms): a restore of a module and its optimizer asked five and
+    three times. Both are kept here, so make one for each save or restore
+    (:class:`ckptmgr.module_state.TrainingObjects` does): they hold while the module tree and
+    the optimizers' parameter groups are unchanged."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._by_position: dict[int, tuple[torch.optim.Optimizer, list[str | None]]] = {}
+
+    @functools.cached_property
+    def rename(self) -> Rename | None:
+        """:func:`_dcp_names` of the module."""
+        return _dcp_names(self.module)
+
+    def by_position(self, optimizer: torch.optim.Optimizer, rename: Rename) -> list[str | None]:
+        """:func:`_names_by_position` of ``optimizer``'s parameters (``rename`` is
+        :attr:`rename`)."""
+        kept = self._by_position.get(id(optimizer))
+        if kept is None or kept[0] is not optimizer:
+            kept = (optimizer, _names_by_position(self.module, optimizer, rename))
+            self._by_position[id(optimizer)] = kept
+        return kept[1]
+
+
+def model_state_dict(names: ModuleNames) -> dict[str, Any]:
+    """``get_model_state_dict(model, options=GET_OPTIONS)`` of ``names.module``."""
+    rename = names.rename
     if rename is not None:
-        return _own_state_dict(model, rename)
-    return get_model_state_dict(model, options=GET_OPTIONS)
+        return _own_state_dict(names.module, rename)
+    return get_model_state_dict(names.module, options=GET_OPTIONS)
 
 
-def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``get_optimizer_state_dict(model, optimizer, options=GET_OPTIONS)`` of an optimizer with
-    state (DCP takes a step to create the state of one without)."""
-    rename = _dcp_names(model) if _own_method(optimizer, "state_dict") else None
+def optimizer_state_dict(names: ModuleNames, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``get_optimizer_state_dict(model, optimizer, options=GET_OPTIONS)`` (``model`` is
+    ``names.module``) of an optimizer with state (DCP takes a step to create the state of one
+    without)."""
+    rename = names.rename if _own_method(optimizer, "state_dict") else None
     if optimizer.state and rename is not None:
-        return _named_optimizer_state_dict(model, optimizer, rename)
-    return get_optimizer_state_dict(model, optimizer, options=GET_OPTIONS)
+        return _named_optimizer_state_dict(names, optimizer, rename)
+    return get_optimizer_state_dict(names.module, optimizer, options=GET_OPTIONS)
 
 
 def state_dicts(
-    model: nn.Module, optimizer: torch.optim.Optimizer
+    names: ModuleNames, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``get_state_dict(model, optimizer, options=GET_OPTIONS)`` of an optimizer with state."""
-    rename = _dcp_names(model) if _own_method(optimizer, "state_dict") else None
+    """``get_state_dict(model, optimizer, options=GET_OPTIONS)`` (``model`` is
+    ``names.module``) of an optimizer with state."""
+    rename = names.rename if _own_method(optimizer, "state_dict") else None
     if optimizer.state and rename is not None:
         return (
-            _own_state_dict(model, rename),
-            _named_optimizer_state_dict(model, optimizer, rename),
+            _own_state_dict(names.module, rename),
+            _named_optimizer_state_dict(names, optimizer, rename),
         )
-    model_dict, optimizer_dict = get_state_dict(model, optimizer, options=GET_OPTIONS)
+    model_dict, optimizer_dict = get_state_dict(names.module, optimizer, options=GET_OPTIONS)
     return model_dict, optimizer_dict
 
 
-def load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
-    """``set_model_state_dict(model, state_dict, options=StateDictOptions(strict=strict))``,
-    which is skipped where it would do nothing: where every value of ``state_dict`` already is
-    the module's own tensor under DCP's name of it (the same memory, shape, strides and dtype:
-    what a restore in place leaves) and loading a plain tree would only copy each onto itself.
+def load_model_state_dict(names: ModuleNames, state_dict: dict[str, Any], strict: bool) -> None:
+    """``set_model_state_dict(model, state_dict, options=StateDictOptions(strict=strict))``
+    (``model`` is ``names.module``), which is skipped where it would do nothing: where every
+    value of ``state_dict`` already is the module's own tensor under DCP's name of it (the same
+    memory, shape, strides and dtype: what a restore in place leaves) and loading a plain tree
+    would only copy each onto itself.
 
     ``nn.Module.load_state_dict`` filters the whole dict by each child's prefix: a flat
     ``nn.Sequential`` of 1,000 layers made 1,000 passes over 2,000 keys (about 0.5 s)."""
-    if not _holds_own_tensors(model, state_dict):
-        set_model_state_dict(model, state_dict, options=StateDictOptions(strict=strict))
+    if not _holds_own_tensors(names, state_dict):
+        set_model_state_dict(names.module, state_dict, options=StateDictOptions(strict=strict))
 
 
 def load_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    names: ModuleNames, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
 ) -> None:
     """``set_optimizer_state_dict(model, optimizer, state_dict, options=LOAD_OPTIMIZER_OPTIONS)``
-    of a state dict keyed by DCP's parameter names.
+    (``model`` is ``names.module``) of a state dict keyed by DCP's parameter names.
 
     Where DCP would only map names (a plain tree, an optimizer with state whose parameter groups
     hold, in order, the parameters the saved groups name), the optimizer's own
     ``load_state_dict`` gets the dict DCP would give it, without DCP's walk over every
     parameter's name: for each group, the saved hyperparameters and the names, and the saved
     state of each of its parameters that requires a gradient."""
-    split = _split_by_group(model, optimizer, state_dict)
+    split = _split_by_group(names, optimizer, state_dict)
     if split is None:
-        set_optimizer_state_dict(model, optimizer, state_dict, options=LOAD_OPTIMIZER_OPTIONS)
+        set_optimizer_state_dict(
+            names.module, optimizer, state_dict, options=LOAD_OPTIMIZER_OPTIONS
+        )
     elif getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", True):
         optimizer.load_state_dict(split)  # (a hook sees the dict DCP would give it)
     else:
@@ -188,20 +226,21 @@ def loads_with_torchs_load(optimizer: torch.optim.Optimizer) -> bool:
     return not own_load and type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict
 
 
-def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def parameter_names(names: ModuleNames, optimizer: torch.optim.Optimizer) -> list[str]:
     """DCP's name of each of ``optimizer``'s parameters (in the optimizer's order) in
-    ``model.named_parameters()`` (a shared parameter's first name).
+    ``names.module.named_parameters()`` (a shared parameter's first name).
 
-    Raises ``CheckpointError`` when ``model`` does not hold them all."""
-    rename = _dcp_names(model)
-    if rename is not None:
-        return _all_named(_names_by_position(model, optimizer, rename), model)
-    names: dict[int, str] = {}
+    Raises ``CheckpointError`` when the module does not hold them all."""
+    model = names.module
+    rename = names.rename
+    if rename is not None:  # (a copy: the names kept are not handed out)
+        return _all_named(list(names.by_position(optimizer, rename)), model)
+    by_id: dict[int, str] = {}
     for name, param in model.named_parameters():
-        if id(param) not in names:
-            names[id(param)] = name if _get_fqns is None else next(iter(_get_fqns(model, name)))
+        if id(param) not in by_id:
+            by_id[id(param)] = name if _get_fqns is None else next(iter(_get_fqns(model, name)))
     params = chain.from_iterable(group["params"] for group in optimizer.param_groups)
-    return _all_named([names.get(id(param)) for param in params], model)
+    return _all_named([by_id.get(id(param)) for param in params], model)
 
 
 def _all_named(names: list[str | None], model: nn.Module) -> list[str]:
@@ -216,14 +255,14 @@ def _all_named(names: list[str | None], model: nn.Module) -> list[str]:
     return cast(list[str], names)
 
 
-def _holds_own_tensors(model: nn.Module, state_dict: dict[str, Any]) -> bool:
-    """True where ``state_dict`` holds exactly ``model``'s own state dict (DCP's names, the
-    very memory of each tensor) and ``model.load_state_dict`` of it would only copy each value
+def _holds_own_tensors(names: ModuleNames, state_dict: dict[str, Any]) -> bool:
+    """True where ``state_dict`` holds exactly the module's own state dict (DCP's names, the
+    very memory of each tensor) and its ``load_state_dict`` of it would only copy each value
     onto itself (:func:`_loads_by_copy`)."""
-    rename = _dcp_names(model)
-    if rename is None or not _loads_by_copy(model):
+    rename = names.rename
+    if rename is None or not _loads_by_copy(names.module):
         return False
-    own = _own_state_dict(model, rename)
+    own = _own_state_dict(names.module, rename)
     if len(own) != len(state_dict):
         return False
     for key, tensor in own.items():
@@ -267,7 +306,7 @@ def _loads_by_copy(model: nn.Module) -> bool:
 
 
 def _split_by_group(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    names: ModuleNames, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
 ) -> dict[str, Any] | None:
     """What DCP's ``set_optimizer_state_dict`` hands ``optimizer.load_state_dict``, where it
     would only map names (:func:`load_optimizer_state_dict`); None elsewhere."""
@@ -277,18 +316,18 @@ def _split_by_group(
         return None
     if not (_own_method(optimizer, "state_dict") and _own_method(optimizer, "load_state_dict")):
         return None
-    rename = _dcp_names(model)
+    rename = names.rename
     saved_state, saved_groups = state_dict.get("state"), state_dict.get("param_groups")
     if rename is None or not isinstance(saved_state, dict) or not isinstance(saved_groups, list):
         return None
     groups = optimizer.param_groups
     if len(saved_groups) != len(groups):
         return None
-    names = iter(_names_by_position(model, optimizer, rename))
+    by_position = iter(names.by_position(optimizer, rename))
     state: dict[str, Any] = {}
     split_groups: list[dict[str, Any]] = []
     for group, saved in zip(groups, saved_groups, strict=True):
-        own = [next(names) for _ in group["params"]]
+        own = [next(by_position) for _ in group["params"]]
         if not own or None in own or not isinstance(saved, dict) or saved.get("params") != own:
             return None  # (DCP matches groups by the names they hold; an empty one specially)
         for name, param in zip(own, group["params"], strict=True):
@@ -405,15 +444,16 @@ def _own_state_dict(model: nn.Module, rename: Rename) -> dict[str, Any]:
 
 
 def _named_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, rename: Rename
+    names: ModuleNames, optimizer: torch.optim.Optimizer, rename: Rename
 ) -> dict[str, Any]:
     """The optimizer's ``state_dict()`` with each parameter's position replaced by DCP's name of
-    it in ``model.named_parameters()`` (the first name of a shared parameter), as DCP does."""
+    it in the module's ``named_parameters()`` (the first name of a shared parameter), as DCP
+    does."""
     own = optimizer.state_dict()
-    names = _all_named(_names_by_position(model, optimizer, rename), model)
+    named = _all_named(names.by_position(optimizer, rename), names.module)
     state = own["state"]
     for index in list(state):  # (re-inserted in their order, as DCP does)
-        state[names[index]] = state.pop(index)
+        state[named[index]] = state.pop(index)
     for group in own["param_groups"]:
-        group["params"] = [names[index] for index in group["params"]]
+        group["params"] = [named[index] for index in group["params"]]
     return {"state": state, "param_groups": own["param_groups"]}

@@ -72,23 +72,26 @@ class ModelState:
     """An ``nn.Module`` saved with ``get_model_state_dict`` and restored with
     ``set_model_state_dict``. Its keys are the parameters' fully qualified names."""
 
-    def __init__(self, module: nn.Module, joint: TrainingObjects | None = None) -> None:
-        """``joint``: the objects of the state being saved, which make the state dicts of a
-        module and of its one optimizer together (:meth:`TrainingObjects.joint_state_dicts`)."""
+    def __init__(self, module: nn.Module, training: TrainingObjects | None = None) -> None:
+        """``training``: the objects of the state being saved or restored, which work out
+        DCP's names of a module once (:meth:`TrainingObjects.names_of`) and, in a save, make
+        the state dicts of a module and of its one optimizer together
+        (:meth:`TrainingObjects.joint_state_dicts`)."""
         self.module = module
-        self._joint = joint
+        self._training = training
 
     def state_dict(self) -> dict[str, Any]:
         """The module's state dict; DTensor shards for FSDP2 and tensor-parallel modules."""
-        if self._joint is not None:
-            made = self._joint.joint_state_dicts(self.module)
+        if self._training is not None:
+            made = self._training.joint_state_dicts(self.module)
             if made is not None:
                 return made[1]
-        return dcp_state_dicts.model_state_dict(self.module)
+        return dcp_state_dicts.model_state_dict(_names_of(self.module, self._training))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict`` (strictly: every key of the module must be present)."""
-        dcp_state_dicts.load_model_state_dict(self.module, state_dict, strict=bool(state_dict))
+        names = _names_of(self.module, self._training)
+        dcp_state_dicts.load_model_state_dict(names, state_dict, strict=bool(state_dict))
 
 
 class OptimizerState:
@@ -103,12 +106,12 @@ class OptimizerState:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        joint: TrainingObjects | None = None,
+        training: TrainingObjects | None = None,
     ) -> None:
-        """``joint`` as for :class:`ModelState`."""
+        """``training`` as for :class:`ModelState`."""
         self.model = model
         self.optimizer = optimizer
-        self._joint = joint
+        self._training = training
         self._created: list[torch.Tensor] = []  # whose state restore_template created
 
     def state_dict(self) -> dict[str, Any]:
@@ -118,13 +121,14 @@ class OptimizerState:
         state by taking a step; ckptmgr saves the parameter groups and an empty state instead.
         """
         if self.optimizer.state:
-            if self._joint is not None:
-                made = self._joint.joint_state_dicts(self.model)
+            if self._training is not None:
+                made = self._training.joint_state_dicts(self.model)
                 if made is not None and made[0] is self.optimizer:
                     return made[2]
-            return dcp_state_dicts.optimizer_state_dict(self.model, self.optimizer)
+            names = _names_of(self.model, self._training)
+            return dcp_state_dicts.optimizer_state_dict(names, self.optimizer)
         groups = self.optimizer.state_dict()["param_groups"]
-        names = self._names()
+        names = self._parameter_names()
         for group in groups:
             group["params"] = [names[index] for index in group["params"]]
         return {"state": {}, "param_groups": groups}
@@ -141,7 +145,7 @@ class OptimizerState:
         if _keyed_by_position(saved):  # written from optimizer.state_dict() (older ckptmgr)
             keys: list[Any] = list(range(len(params)))
         else:
-            keys = self._names()
+            keys = self._parameter_names()
         stored: set[Any] = {key for key in keys if saved.has("state", key)}
         # Every parameter the checkpoint holds state for gets state to load it into (those
         # that have some already keep it until the load replaces it): made from what the
@@ -195,9 +199,10 @@ class OptimizerState:
         if any(isinstance(p, int) for group in groups for p in group.get("params", [])):
             self.optimizer.load_state_dict(state_dict)
         elif state_dict.get("state"):
-            dcp_state_dicts.load_optimizer_state_dict(self.model, self.optimizer, state_dict)
+            names = _names_of(self.model, self._training)
+            dcp_state_dicts.load_optimizer_state_dict(names, self.optimizer, state_dict)
         else:  # nothing per parameter: set the groups and drop any state; no step is taken
-            position = {name: index for index, name in enumerate(self._names())}
+            position = {name: index for index, name in enumerate(self._parameter_names())}
             unknown = [p for group in groups for p in group["params"] if p not in position]
             if unknown:
                 raise CheckpointError(
@@ -209,9 +214,18 @@ class OptimizerState:
             ]
             self.optimizer.load_state_dict({"state": {}, "param_groups": by_position})
 
-    def _names(self) -> list[str]:
+    def _parameter_names(self) -> list[str]:
         """The name of every parameter of the optimizer, in the optimizer's order."""
-        return dcp_state_dicts.parameter_names(self.model, self.optimizer)
+        names = _names_of(self.model, self._training)
+        return dcp_state_dicts.parameter_names(names, self.optimizer)
+
+
+def _names_of(module: nn.Module, training: TrainingObjects | None) -> dcp_state_dicts.ModuleNames:
+    """DCP's names of ``module``: those ``training`` keeps for this save or restore, else
+    worked out anew (an object made by the user lives longer than one save)."""
+    if training is not None:
+        return training.names_of(module)
+    return dcp_state_dicts.ModuleNames(module)
 
 
 def _loads_saved_state(optimizer: torch.optim.Optimizer) -> bool:
@@ -309,6 +323,7 @@ class TrainingObjects:
         self._saving = saving
         self._param_ids: dict[int, set[int]] = {}
         self._joint: dict[int, tuple[torch.optim.Optimizer, dict, dict] | None] = {}
+        self._names: dict[int, dcp_state_dicts.ModuleNames] = {}
 
     @functools.cached_property
     def _modules(self) -> dict[int, tuple[str, nn.Module]]:
@@ -341,13 +356,27 @@ class TrainingObjects:
         return by_module
 
     def adapt(self, value: Any) -> Any:
-        """A ``ModelState``/``OptimizerState`` for a module/optimizer; other values unchanged."""
-        joint = self if self._saving else None
+        """A ``ModelState``/``OptimizerState`` for a module/optimizer, and for an
+        ``OptimizerState`` the user made one of this save or restore (which works out DCP's
+        names with the rest of the state's: :meth:`names_of`); other values unchanged."""
         if isinstance(value, nn.Module):
-            return ModelState(value, joint)
+            return ModelState(value, self)
         if isinstance(value, torch.optim.Optimizer):
-            return OptimizerState(self.module_for(value), value, joint)
+            return OptimizerState(self.module_for(value), value, self)
+        if type(value) is OptimizerState and value._training is None:
+            return OptimizerState(value.model, value.optimizer, self)
         return value
+
+    def names_of(self, module: nn.Module) -> dcp_state_dicts.ModuleNames:
+        """DCP's names of ``module``, worked out once for the save or restore of this state
+        (:class:`ckptmgr.dcp_state_dicts.ModuleNames`): a restore of a module and its optimizer
+        asked five times whether DCP would only rename, and three times for the names of the
+        optimizer's parameters."""
+        names = self._names.get(id(module))
+        if names is None or names.module is not module:
+            names = dcp_state_dicts.ModuleNames(module)
+            self._names[id(module)] = names
+        return names
 
     def joint_state_dicts(
         self, module: nn.Module
@@ -355,19 +384,22 @@ class TrainingObjects:
         """(the optimizer, DCP's state dict of ``module``, that of the optimizer), made by one
         call (:func:`ckptmgr.dcp_state_dicts.state_dicts`) once per state saved, where
         ``module`` has exactly one optimizer at the top level of the state and that optimizer
-        has state; None otherwise (each is made on its own).
+        has state; None otherwise (each is made on its own), and always in a restore.
 
         ``get_model_state_dict`` and ``get_optimizer_state_dict`` each map every parameter's
         names anew (DCP's ``_verify_options``): one call for both does it once (FSDP2 over 1,000
         parameters with AdamW, 2 ranks: 61 ms against 49 + 31 ms a save, on the training
         thread). The dicts are the same as the two calls make."""
+        if not self._saving:
+            return None
         key = id(module)
         if key not in self._joint:
             optimizers = self._optimizers_by_module.get(key, [])
             made = None
             if len(optimizers) == 1 and optimizers[0].state:
                 optimizer = optimizers[0]
-                model_dict, optimizer_dict = dcp_state_dicts.state_dicts(module, optimizer)
+                names = self.names_of(module)
+                model_dict, optimizer_dict = dcp_state_dicts.state_dicts(names, optimizer)
                 made = (optimizer, model_dict, optimizer_dict)
             self._joint[key] = made
         return self._joint[key]

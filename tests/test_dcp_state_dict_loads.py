@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckptmgr import CheckpointError, CheckpointManager, dcp_state_dicts
+from ckptmgr.dcp_state_dicts import ModuleNames
+from ckptmgr.module_state import OptimizerState
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"),
@@ -82,10 +84,12 @@ def test_a_plain_modules_own_tensors_are_not_loaded_again(
     if wrap == "compiled":
         model = torch.compile(model)  # (names without "_orig_mod.")
     before = _values(model)
-    state = dcp_state_dicts.model_state_dict(model)  # the module's tensors, DCP's names
+    state = dcp_state_dicts.model_state_dict(
+        ModuleNames(model)
+    )  # the module's tensors, DCP's names
     assert "0.weight" in state and "1.num_batches_tracked" in state
     calls = Calls(monkeypatch, "set_model_state_dict", refuse=True)
-    dcp_state_dicts.load_model_state_dict(model, state, strict=True)
+    dcp_state_dicts.load_model_state_dict(ModuleNames(model), state, strict=True)
     assert calls.count == 0
     assert _same_values(model, before)
 
@@ -125,13 +129,13 @@ def _an_own_load_from_state_dict(model: nn.Module, state: dict[str, Any]) -> Non
     layer.load_state_dict(model[2].state_dict())
     model[2] = layer
     state.clear()
-    state.update(dcp_state_dicts.model_state_dict(model))
+    state.update(dcp_state_dicts.model_state_dict(ModuleNames(model)))
 
 
 def _extra_state(model: nn.Module, state: dict[str, Any]) -> None:
     model.append(WithExtraState())
     state.clear()
-    state.update(dcp_state_dicts.model_state_dict(model))
+    state.update(dcp_state_dicts.model_state_dict(ModuleNames(model)))
     assert "6._extra_state" in state
 
 
@@ -162,13 +166,13 @@ def test_a_load_that_would_do_more_gets_dcps_call(
     change: Callable[[nn.Module, dict[str, Any]], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _norms()
-    state = dcp_state_dicts.model_state_dict(model)
+    state = dcp_state_dicts.model_state_dict(ModuleNames(model))
     swapping = torch.__future__.get_swap_module_params_on_conversion()
     try:
         change(model, state)
         calls = Calls(monkeypatch, "set_model_state_dict")
         try:
-            dcp_state_dicts.load_model_state_dict(model, state, strict=True)
+            dcp_state_dicts.load_model_state_dict(ModuleNames(model), state, strict=True)
         except RuntimeError:  # (DCP's strict load of a dict that lacks a key or has another)
             assert change in (_a_missing_key, _an_extra_key)
         assert calls.count == 1
@@ -199,7 +203,7 @@ def test_an_optimizers_dict_is_split_as_dcp_splits_it(kind: str, change: Any) ->
     options = dcp_state_dicts.LOAD_OPTIMIZER_OPTIONS
     info = dcp_state_dict_api._verify_options(model, (optimizer,), optim_only=True, options=options)
     expected = dcp_state_dict_api._split_optim_state_dict(model, optimizer, saved, info)
-    made = dcp_state_dicts._split_by_group(model, optimizer, saved)
+    made = dcp_state_dicts._split_by_group(ModuleNames(model), optimizer, saved)
     assert made is not None
     assert differences(made, expected) == []
     if change is _freeze_after_training:
@@ -229,7 +233,7 @@ def _loaded_both_ways(
         ours[1].state.clear()
         dcps[1].state.clear()
     calls = Calls(monkeypatch, "set_optimizer_state_dict")
-    dcp_state_dicts.load_optimizer_state_dict(ours[0], ours[1], copy.deepcopy(saved))
+    dcp_state_dicts.load_optimizer_state_dict(ModuleNames(ours[0]), ours[1], copy.deepcopy(saved))
     monkeypatch.undo()
     set_optimizer_state_dict(
         dcps[0], dcps[1], copy.deepcopy(saved), options=dcp_state_dicts.LOAD_OPTIMIZER_OPTIONS
@@ -277,12 +281,12 @@ def test_the_optimizers_load_is_keyed_by_position_in_ranges() -> None:
     parameter's position in the optimizer."""
     model, optimizer = _trained("adamw")
     saved = get_optimizer_state_dict(model, optimizer)
-    split = dcp_state_dicts._split_by_group(model, optimizer, saved)
+    split = dcp_state_dicts._split_by_group(ModuleNames(model), optimizer, saved)
     assert split is not None
     made = dcp_state_dicts._by_position(split)
     assert [group["params"] for group in made["param_groups"]] == [range(0, 2), range(2, 7)]
     assert [group["lr"] for group in made["param_groups"]] == [0.1, 0.01]
-    names = dcp_state_dicts.parameter_names(model, optimizer)
+    names = dcp_state_dicts.parameter_names(ModuleNames(model), optimizer)
     assert list(made["state"]) == [names.index(name) for name in split["state"]]
     assert all(made["state"][names.index(name)] is value for name, value in split["state"].items())
 
@@ -295,7 +299,7 @@ def test_an_optimizers_load_pre_hook_sees_dcps_dict(monkeypatch: pytest.MonkeyPa
         lambda optimizer, state_dict: seen.append([g["params"] for g in state_dict["param_groups"]])
     )
     calls = Calls(monkeypatch, "set_optimizer_state_dict")
-    dcp_state_dicts.load_optimizer_state_dict(model, optimizer, saved)
+    dcp_state_dicts.load_optimizer_state_dict(ModuleNames(model), optimizer, saved)
     assert calls.count == 0
     assert seen == [[group["params"] for group in saved["param_groups"]]]
     assert seen[0][0] == ["embed.weight", "blocks.a.0.weight"]
@@ -333,9 +337,9 @@ def test_optimizer_loads_dcp_would_do_more_for_get_its_call(
 ) -> None:
     model, optimizer = _trained("adamw")
     saved = case(model, optimizer)
-    assert dcp_state_dicts._split_by_group(model, optimizer, saved) is None
+    assert dcp_state_dicts._split_by_group(ModuleNames(model), optimizer, saved) is None
     calls = Calls(monkeypatch, "set_optimizer_state_dict")
-    dcp_state_dicts.load_optimizer_state_dict(model, optimizer, saved)
+    dcp_state_dicts.load_optimizer_state_dict(ModuleNames(model), optimizer, saved)
     assert calls.count == 1
 
 
@@ -344,18 +348,18 @@ def test_parameter_names_are_dcps(wrap: str, monkeypatch: pytest.MonkeyPatch) ->
     model, optimizer = _trained("adamw")
     if wrap == "compiled":
         model = torch.compile(model)
-    made = dcp_state_dicts.parameter_names(model, optimizer)
+    made = dcp_state_dicts.parameter_names(ModuleNames(model), optimizer)
     assert made[0] == "embed.weight"  # (tied: its first name, without "_orig_mod.")
     groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
     assert made == [name for group in groups for name in group["params"]]
     monkeypatch.setattr(dcp_state_dicts, "_dcp_names", lambda model: None)  # DCP's names
-    assert dcp_state_dicts.parameter_names(model, optimizer) == made
+    assert dcp_state_dicts.parameter_names(ModuleNames(model), optimizer) == made
 
 
 def test_an_optimizer_paired_with_a_module_without_its_parameters_is_refused() -> None:
     model, optimizer = _trained("adamw")
     with pytest.raises(CheckpointError, match=r"parameters \[0, 6\] of the optimizer are not"):
-        dcp_state_dicts.parameter_names(nn.Sequential(model.blocks), optimizer)
+        dcp_state_dicts.parameter_names(ModuleNames(nn.Sequential(model.blocks)), optimizer)
 
 
 def test_a_restore_in_place_skips_dcps_loads(
@@ -395,6 +399,65 @@ def test_a_restore_in_place_skips_dcps_loads(
         assert model_calls.count == 1 and extra.calls == 7
 
 
+class Counted:
+    """Counts the calls of a function of ckptmgr.dcp_state_dicts (and makes them)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+        self.count = 0
+        real = getattr(dcp_state_dicts, name)
+
+        def called(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(dcp_state_dicts, name, called)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["found", "optimizer-state"])
+def test_dcps_names_are_worked_out_once_a_save_or_restore_and_anew_for_the_next(
+    wrapped: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save or restore of a module and its optimizer tells once whether DCP would only rename
+    (a walk over the module tree) and names the optimizer's parameters once (a restore asked
+    five and three times); the next save sees a module that changed since (a layer and its
+    parameter group added), also through an ``OptimizerState`` the user made once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def train() -> None:
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train()
+    optim = OptimizerState(model, optimizer) if wrapped else optimizer
+    state = {"model": model, "optim": optim}
+    walks = Counted(monkeypatch, "_dcp_names")
+    namings = Counted(monkeypatch, "_names_by_position")
+    with CheckpointManager(tmp_path, save_interval=1) as manager:
+        manager.save(1, state)
+        assert (walks.count, namings.count) == (1, 1)
+        saved_model, saved_optim = _values(model), copy.deepcopy(optimizer.state_dict())
+        train()
+        manager.restore(1, state)
+        assert (walks.count, namings.count) == (2, 2)
+        assert _same_values(model, saved_model)
+        assert _equal(optimizer.state_dict(), saved_optim)
+
+        model.append(nn.Linear(3, 2))
+        optimizer.add_param_group({"params": list(model[2].parameters()), "lr": 0.02})
+        train()
+        manager.save(2, state)
+        saved_model, saved_optim = _values(model), copy.deepcopy(optimizer.state_dict())
+        train()
+        manager.restore(2, state)
+        assert (walks.count, namings.count) == (4, 4)
+        assert _same_values(model, saved_model) and "2.weight" in saved_model
+        assert _equal(optimizer.state_dict(), saved_optim)
+        assert len(optimizer.state) == 6  # (the new layer's state, restored too)
+
+
 FSDP2_AND_DDP_LOADS = r"""
 import copy
 import torch
@@ -404,6 +467,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from ckptmgr import dcp_state_dicts
+from ckptmgr.dcp_state_dicts import ModuleNames
 
 try:
     calls = {"set_model_state_dict": 0, "set_optimizer_state_dict": 0}
@@ -437,7 +501,7 @@ try:
     for name, (model, skip_model, skip_optim) in models.items():
         model, optimizer = trained(model)
         saved = copy.deepcopy(get_optimizer_state_dict(model, optimizer))
-        own = dcp_state_dicts.model_state_dict(model)
+        own = dcp_state_dicts.model_state_dict(ModuleNames(model))
         values = {  # (copies: a one-rank full_tensor() may be the shard itself)
             key: (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
             for key, value in own.items()
@@ -445,14 +509,15 @@ try:
         model(torch.randn(3, 8)).sum().backward()
         optimizer.step()  # (moves the parameters and the optimizer's state on)
         before = dict(calls)
-        dcp_state_dicts.load_model_state_dict(model, own, strict=True)
-        dcp_state_dicts.load_optimizer_state_dict(model, optimizer, saved)
+        dcp_state_dicts.load_model_state_dict(ModuleNames(model), own, strict=True)
+        dcp_state_dicts.load_optimizer_state_dict(ModuleNames(model), optimizer, saved)
         made = {key: calls[key] - before[key] for key in calls}
         assert made == {"set_model_state_dict": int(not skip_model),
                         "set_optimizer_state_dict": int(not skip_optim)}, (name, made)
         # the module's own tensors were loaded onto themselves: its values moved on
+        now = dcp_state_dicts.model_state_dict(ModuleNames(model))
         assert not all(torch.equal(values[k], v.full_tensor() if hasattr(v, "full_tensor") else v)
-                       for k, v in dcp_state_dicts.model_state_dict(model).items()), name
+                       for k, v in now.items()), name
         state = optimizer.state_dict()["state"]
         for index, (key, value) in enumerate(saved["state"].items()):
             for part in ("exp_avg", "exp_avg_sq", "step"):

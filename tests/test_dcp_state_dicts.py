@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckptmgr import dcp_state_dicts
+from ckptmgr.dcp_state_dicts import ModuleNames
 from ckptmgr.torch_versions import torch_version
 
 OPTIONS = StateDictOptions(strict=False)
@@ -152,9 +153,9 @@ def _expected(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, A
 
 def _made(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {
-        "model": dcp_state_dicts.model_state_dict(model),
-        "optim": dcp_state_dicts.optimizer_state_dict(model, optimizer),
-        "both": dcp_state_dicts.state_dicts(model, optimizer),
+        "model": dcp_state_dicts.model_state_dict(ModuleNames(model)),
+        "optim": dcp_state_dicts.optimizer_state_dict(ModuleNames(model), optimizer),
+        "both": dcp_state_dicts.state_dicts(ModuleNames(model), optimizer),
     }
 
 
@@ -223,6 +224,7 @@ def test_importing_ckptmgr_leaves_dynamo_unimported_and_a_later_compile_is_still
 import sys
 import ckptmgr
 from ckptmgr import dcp_state_dicts
+from ckptmgr.dcp_state_dicts import ModuleNames
 assert "torch._dynamo" not in sys.modules, "import ckptmgr imported dynamo"
 import torch
 model = torch.compile(torch.nn.Linear(2, 2))
@@ -286,7 +288,7 @@ def test_a_module_with_a_hook_that_renames_a_key_gets_dcps_own_call() -> None:
     with pytest.raises(AttributeError):
         get_model_state_dict(model, options=OPTIONS)
     with pytest.raises(AttributeError):
-        dcp_state_dicts.model_state_dict(model)
+        dcp_state_dicts.model_state_dict(ModuleNames(model))
 
 
 def test_an_optimizer_without_state_is_left_to_dcp(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -298,7 +300,7 @@ def test_an_optimizer_without_state_is_left_to_dcp(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(
         dcp_state_dicts, "get_optimizer_state_dict", lambda *a, **k: calls.append("dcp") or {}
     )
-    dcp_state_dicts.optimizer_state_dict(model, optimizer)
+    dcp_state_dicts.optimizer_state_dict(ModuleNames(model), optimizer)
     assert calls == ["dcp"]
 
 
@@ -320,6 +322,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from ckptmgr import dcp_state_dicts
+from ckptmgr.dcp_state_dicts import ModuleNames
 from test_dcp_state_dicts import differences
 
 try:
@@ -356,7 +359,7 @@ try:
         model, optimizer = trained(model)
         assert (dcp_state_dicts._dcp_names(model) is not None) == direct, name
         expected = get_state_dict(model, optimizer, options=StateDictOptions(strict=False))
-        made = dcp_state_dicts.state_dicts(model, optimizer)
+        made = dcp_state_dicts.state_dicts(ModuleNames(model), optimizer)
         found = differences(made, expected)
         assert found == [], (name, found)
         if name == "fsdp2":
