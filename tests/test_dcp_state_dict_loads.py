@@ -7,6 +7,7 @@ differently (parameter groups in another order, an empty group, ...), DCP's func
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,8 @@ pytestmark = [
 
 
 class Calls:
-    """Records the calls of one of DCP's functions (and makes them, or refuses them)."""
+    """Records the calls of a function of ckptmgr.dcp_state_dicts, DCP's among them (and makes
+    them, or refuses them)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, refuse: bool = False) -> None:
         self.count = 0
@@ -370,12 +372,7 @@ def test_a_restore_in_place_skips_dcps_loads(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-
-    def train() -> None:
-        model(torch.randn(5, 4)).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
+    train = functools.partial(_train, model, optimizer)
     train()
     state = {"model": model, "optim": optimizer}
     with CheckpointManager(tmp_path, save_interval=1) as manager:
@@ -399,18 +396,11 @@ def test_a_restore_in_place_skips_dcps_loads(
         assert model_calls.count == 1 and extra.calls == 7
 
 
-class Counted:
-    """Counts the calls of a function of ckptmgr.dcp_state_dicts (and makes them)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-        self.count = 0
-        real = getattr(dcp_state_dicts, name)
-
-        def called(*args: Any, **kwargs: Any) -> Any:
-            self.count += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(dcp_state_dicts, name, called)
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One step of ``optimizer`` on a batch of 5 random inputs of 4 features."""
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["found", "optimizer-state"])
@@ -424,17 +414,12 @@ def test_dcps_names_are_worked_out_once_a_save_or_restore_and_anew_for_the_next(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-
-    def train() -> None:
-        model(torch.randn(5, 4)).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
+    train = functools.partial(_train, model, optimizer)
     train()
     optim = OptimizerState(model, optimizer) if wrapped else optimizer
     state = {"model": model, "optim": optim}
-    walks = Counted(monkeypatch, "_dcp_names")
-    namings = Counted(monkeypatch, "_names_by_position")
+    walks = Calls(monkeypatch, "_dcp_names")
+    namings = Calls(monkeypatch, "_names_by_position")
     with CheckpointManager(tmp_path, save_interval=1) as manager:
         manager.save(1, state)
         assert (walks.count, namings.count) == (1, 1)
