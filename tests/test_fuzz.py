@@ -90,8 +90,9 @@ MUTATIONS = st.lists(
 
 
 def mutate(step_dir: Path, mutations: list[tuple[str, int, int, int]]) -> set[str]:
-    """Apply ``mutations``; returns the names of the files whose bytes really changed."""
-    changed: set[str] = set()
+    """Apply ``mutations``; returns the names of the files whose bytes really changed (two
+    flips of one bit, or a truncation and the append of the byte cut, change nothing)."""
+    before = {path.name: path.read_bytes() for path in step_dir.iterdir() if path.is_file()}
     for kind, which, where, bit in mutations:
         files = sorted(p for p in step_dir.iterdir() if p.is_file())
         if not files:
@@ -111,8 +112,8 @@ def mutate(step_dir: Path, mutations: list[tuple[str, int, int, int]]) -> set[st
                 continue
             data[where % len(data)] ^= 1 << bit
             path.write_bytes(bytes(data))
-        changed.add(path.name)
-    return changed
+    after = {path.name: path.read_bytes() for path in step_dir.iterdir() if path.is_file()}
+    return {name for name, data in before.items() if after.get(name) != data}
 
 
 @pytest.mark.timeout(280)
@@ -271,9 +272,14 @@ def test_a_garbage_record_is_a_checkpoint_error(template: Path, scratch: Path, d
 
 
 def test_fuzz_helpers_restore_the_template(template: Path, scratch: Path) -> None:
-    """The undamaged copy restores exactly (so the properties above are not vacuous)."""
+    """The undamaged copy restores exactly (so the properties above are not vacuous), and
+    ``mutate`` reports the files whose bytes changed, not the files it touched."""
     root = fresh_copy(template, scratch)
     assert mutate(root / STEP_DIR, []) == set()
+    first = sorted(path.name for path in (root / STEP_DIR).iterdir())[0]
+    assert mutate(root / STEP_DIR, [("flip", 0, 0, 0), ("flip", 0, 0, 0)]) == set()
+    assert mutate(root / STEP_DIR, [("flip", 0, 0, 0)]) == {first}
+    assert mutate(root / STEP_DIR, [("flip", 0, 0, 0)]) == {first}  # (flipped back)
     with CheckpointManager(root, 1, chkpt_on_preemption=False) as mgr:
         state = empty_state()
         mgr.restore(STEP, state)
