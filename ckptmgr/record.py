@@ -186,27 +186,36 @@ class CommitRecord(BaseModel):
         Raises ``pydantic.ValidationError`` (a ``ValueError``) on bad input, including a file
         path that leaves the step directory, ``ValueError`` when a record of format 3 or later
         does not match its checksum (``record_crc32``), and :class:`NewerFormatError` (also a
-        ``ValueError``) for a record of a newer format.
+        ``ValueError``) for a record of a newer format. A record that claims a newer format but
+        ends with a checksum its bytes do not match is damaged (``ValueError``): a flipped bit
+        can raise the version too, and every format keeps ``record_crc32`` as it is.
         """
         try:
             record = cls.model_validate_json(data)
         except ValueError:
             version = _format_version_of(data)  # a newer format may not validate here
             if version is not None and version > FORMAT_VERSION:
-                raise NewerFormatError(
-                    f"commit record format {version} is newer than this ckptmgr understands "
-                    f"({FORMAT_VERSION}); upgrade ckptmgr"
-                ) from None
+                raise _newer_format(version, data) from None
             raise
-        if record.format_version > FORMAT_VERSION:
-            raise NewerFormatError(
-                f"commit record format {record.format_version} is newer than this ckptmgr "
-                f"understands ({FORMAT_VERSION}); upgrade ckptmgr"
-            )
         raw = data if isinstance(data, bytes) else data.encode()
+        if record.format_version > FORMAT_VERSION:
+            raise _newer_format(record.format_version, raw)
         if record.format_version >= CHECKSUMMED_SINCE or _CHECKSUM_MARK in raw[-40:]:
             _check_checksum(raw)  # (also where a flipped bit made the version an older one)
         return record
+
+
+def _newer_format(version: int, data: bytes | str) -> NewerFormatError:
+    """The error for a record of format ``version``, newer than this ckptmgr's; raises
+    ``ValueError`` instead where the record ends with a checksum its bytes do not match (a
+    damaged record of a format known here, whose version a flipped bit raised)."""
+    raw = data if isinstance(data, bytes) else data.encode()
+    if _CHECKSUM_MARK in raw[-40:]:
+        _check_checksum(raw)
+    return NewerFormatError(
+        f"commit record format {version} is newer than this ckptmgr understands "
+        f"({FORMAT_VERSION}); upgrade ckptmgr"
+    )
 
 
 def record_bytes(document: dict[str, Any]) -> bytes:

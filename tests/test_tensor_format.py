@@ -1012,6 +1012,37 @@ def test_a_record_of_a_newer_format_is_refused_and_never_quarantined(tmp_path: P
     assert not (step_dir(tmp_path, 2) / "quarantined.json").exists()
 
 
+def test_a_record_whose_version_a_flipped_bit_raised_is_damage_not_a_newer_format(
+    tmp_path: Path,
+) -> None:
+    """A flipped bit that makes ``"format_version": 4`` a 5 leaves a record that ends with a
+    checksum its bytes no longer match: damage, quarantined, and ``restore_latest`` goes on to
+    the step before (it was refused with "upgrade ckptmgr", and restore_latest raised). A record
+    of a newer format with its checksum intact is still refused with "upgrade"."""
+    with manager(tmp_path) as mgr:
+        assert mgr.save(1, {"w": torch.ones(3)})
+        assert mgr.save(2, {"w": torch.full((3,), 2.0)})
+    path = step_dir(tmp_path, 2) / "commit.json"
+    data = bytearray(path.read_bytes())
+    at = data.index(b'"format_version": 4') + len(b'"format_version": ')
+    data[at] ^= 1  # "4" -> "5"
+    with pytest.raises(ValueError, match="CRC-32") as caught:
+        CommitRecord.from_json(bytes(data))
+    assert "upgrade" not in str(caught.value)
+    path.write_bytes(bytes(data))
+    with manager(tmp_path) as mgr:
+        restored = {"w": torch.zeros(3)}
+        assert mgr.restore_latest(restored) == 1
+        assert torch.equal(restored["w"], torch.ones(3))
+        assert mgr.all_steps() == [1]
+    assert (step_dir(tmp_path, 2) / "quarantined.json").exists()
+
+    newer = read_record(tmp_path, 1)
+    newer["format_version"] = 5
+    with pytest.raises(ValueError, match="upgrade"):
+        CommitRecord.from_json(record_bytes(newer))
+
+
 # -- damaged data files ----------------------------------------------------------------------------
 def flip_middle_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
