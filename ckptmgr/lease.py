@@ -343,7 +343,11 @@ class OwnerLease:
         return holding
 
     def acquire(self) -> Owner:
-        """Become the owner, or raise :class:`LeaseHeldError`; returns the record written."""
+        """Become the owner, or raise :class:`LeaseHeldError`; returns the record written.
+
+        Safe to call again after it raised another error (a transient storage error: the
+        manager retries it as one storage operation): a record it wrote before it failed is
+        this job's, which a later call takes over."""
         holding = self._own_holding()
         if holding is not None:
             return holding.owner

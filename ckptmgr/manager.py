@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import operator
@@ -221,8 +222,8 @@ class CheckpointManager:
                 timeout_s=config.lease_timeout_s,
                 take_over=config.take_over,
             )
-            try:
-                lease.acquire()
+            try:  # (a storage operation: retried on a transient error, as every other)
+                self._storage.call(f"acquire the owner lease of {config.path}", lease.acquire)
                 self._lease = lease
                 listed = self._storage.sweep_and_list(config.leftover_grace_s)
             except BaseException as exc:
@@ -789,9 +790,16 @@ class CheckpointManager:
     def _confirm_lease_before_deleting(self) -> None:
         """Raise ``CheckpointError`` unless the lease is still this job's, read from storage now:
         the heartbeat finds a take-over only at its next beat, and the steps may be the new
-        owner's by then. A failed read deletes nothing either."""
+        owner's by then. A failed read deletes nothing either.
+
+        The read is a storage operation like any other, retried on a transient error (each
+        HTTP request is retried only ``client_attempts`` times: a longer burst of 503s failed
+        the deletion, and the next save or join raised it), as is the lease's acquisition."""
         if self._lease is not None:
-            pruning.confirm_owner_before_deleting(self._lease.confirm, self.config.path)
+            confirm = functools.partial(
+                self._storage.call, "read the owner lease", self._lease.confirm
+            )
+            pruning.confirm_owner_before_deleting(confirm, self.config.path)
 
     def _relist_after_failed_deletion(self, doomed: list[int]) -> None:
         """List again the steps of ``doomed`` that a failed deletion left committed in storage

@@ -240,10 +240,12 @@ class CheckpointStorage:
             if self.is_local:
                 self.fs.makedirs(self.root, exist_ok=True)
             else:
-                self._call(f"create {self.root}", self.fs.makedirs, self.root, exist_ok=True)
+                self.call(f"create {self.root}", self.fs.makedirs, self.root, exist_ok=True)
 
-    def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)``, retried on transient errors (remote stores only)."""
+    def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` as one storage operation, retried on transient errors
+        (remote stores only; ``what`` names it in the log). For the manager's other calls to
+        this root's file system too (the owner lease's), which must be safe to repeat."""
         if self.is_local:
             return fn(*args, **kwargs)
         return self._retrier.call(what, fn, *args, **kwargs)
@@ -324,7 +326,7 @@ class CheckpointStorage:
                 and info.get("type", "file") != "directory"
             }
 
-        return self._call(f"list {path}", listing)
+        return self.call(f"list {path}", listing)
 
     def read_record(self, step: int) -> CommitRecord:
         """The commit record of a committed step; ``CheckpointError`` if it is unreadable."""
@@ -467,7 +469,7 @@ class CheckpointStorage:
         if self.is_local:
             with open(path, "rb") as handle:
                 return crc32_of_stream(handle)
-        return crc32_of_remote(ranged_reads(self.fs, path, self._call), size, name)
+        return crc32_of_remote(ranged_reads(self.fs, path, self.call), size, name)
 
     # -- quarantine --------------------------------------------------------------------------
     def quarantine(self, step: int, reason: str) -> None:
@@ -518,18 +520,18 @@ class CheckpointStorage:
         files = sorted(self._find(source))
         for name in files:  # copy everything, the record and the marker last, then delete
             if name not in (RECORD_NAME, QUARANTINE_NAME):
-                self._call(f"copy {name}", self.fs.copy, f"{source}/{name}", f"{target}/{name}")
+                self.call(f"copy {name}", self.fs.copy, f"{source}/{name}", f"{target}/{name}")
         for name in (QUARANTINE_NAME, RECORD_NAME):
             if name in files:
-                self._call(f"copy {name}", self.fs.copy, f"{source}/{name}", f"{target}/{name}")
+                self.call(f"copy {name}", self.fs.copy, f"{source}/{name}", f"{target}/{name}")
         for name in (RECORD_NAME, QUARANTINE_NAME):
             if name in files:
-                self._call(f"delete {name}", self.fs.rm_file, f"{source}/{name}")
+                self.call(f"delete {name}", self.fs.rm_file, f"{source}/{name}")
         rest = [f"{source}/{n}" for n in files if n not in (RECORD_NAME, QUARANTINE_NAME)]
         self._remove_tree(source, rest)
 
     def _read_bytes(self, path: str) -> bytes:
-        return self._call(f"read {path}", self.fs.cat_file, path)
+        return self.call(f"read {path}", self.fs.cat_file, path)
 
     # -- writing -----------------------------------------------------------------------------
     def write_dir(self, step: int, save_id: str) -> str:
@@ -561,20 +563,20 @@ class CheckpointStorage:
             log.info("removing %d objects of an interrupted save in %s", len(existing), path)
             self._remove_tree(path, [f"{path}/{name}" for name in existing])
         if not self.is_object_store:
-            self._call(f"create {path}", self.fs.makedirs, path, exist_ok=True)
+            self.call(f"create {path}", self.fs.makedirs, path, exist_ok=True)
 
     def ensure_dir(self, path: str) -> None:
         """Create directory ``path`` if the store has directories (not on object stores)."""
         if self.is_local:
             os.makedirs(path, exist_ok=True)
         elif not self.is_object_store:
-            self._call(f"create {path}", self.fs.makedirs, path, exist_ok=True)
+            self.call(f"create {path}", self.fs.makedirs, path, exist_ok=True)
 
     def _write_bytes(self, path: str, data: bytes) -> None:
         if self.is_local:
             write_synced(path, data)
         else:
-            self._call(f"write {path}", self.fs.pipe_file, path, data)
+            self.call(f"write {path}", self.fs.pipe_file, path, data)
 
     def list_files(self, path: str) -> list[FileEntry]:
         """Every file under ``path`` with its size, relative to ``path``."""
@@ -605,7 +607,7 @@ class CheckpointStorage:
     def _commit_remote(self, step: int, target: str, record: CommitRecord) -> None:
         data = record.to_json()
         try:
-            self._call(f"write commit record {target}", self._create_only, target, data)
+            self.call(f"write commit record {target}", self._create_only, target, data)
             return
         except FileExistsError:
             if self._holds_own_record(target, record):
@@ -674,7 +676,7 @@ class CheckpointStorage:
             return
         record = f"{path}/{RECORD_NAME}"
         try:
-            self._call(f"delete commit record {record}", self.fs.rm_file, record)
+            self.call(f"delete commit record {record}", self.fs.rm_file, record)
         except FileNotFoundError:
             pass
         self._remove_tree(path, [f"{path}/{name}" for name in self._find(path)])
@@ -683,7 +685,7 @@ class CheckpointStorage:
         """Delete ``files`` (all under ``path``) in batches, then ``path`` itself if it is a
         directory of its own (not on object stores, where it vanishes with its last object)."""
         if files:
-            self._call(f"delete {len(files)} objects under {path}", self._remove_files, files)
+            self.call(f"delete {len(files)} objects under {path}", self._remove_files, files)
         if not self.is_object_store:
 
             def remove_dir() -> None:
@@ -692,7 +694,7 @@ class CheckpointStorage:
                 except FileNotFoundError:
                     pass
 
-            self._call(f"delete {path}", remove_dir)
+            self.call(f"delete {path}", remove_dir)
 
     def _remove_files(self, files: list[str]) -> None:
         try:

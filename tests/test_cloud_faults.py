@@ -113,6 +113,38 @@ def test_a_burst_longer_than_the_request_retries_is_retried_by_the_operation(
     assert CheckpointStorage(root, server.storage_options()).committed_steps() == [1, 2]
 
 
+def test_a_burst_on_the_owner_lease_is_retried_by_the_operation(
+    server: Server, root: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The owner lease's record is read by storage operations like any other: a burst of 503s
+    longer than one request's tries neither fails the manager's start (the lease acquired) nor
+    retention after a commit (the lease confirmed before deleting), which the next save or join
+    then raised although the step was committed."""
+    caplog.set_level(logging.WARNING, logger=RETRY_LOGGER)
+    options = server.storage_options(proxy.url)
+
+    def lease_read(method: str, path: str) -> bool:
+        return method == "GET" and "owner.json" in path
+
+    proxy.set_faults(sequence=("503",) * 4, match=lease_read)  # 3 tries per request
+    # (a heartbeat long after the test: only the start and retention read the record)
+    with manager(root, options, max_to_keep=1, lease_timeout_s=600) as mgr:
+        assert proxy.count(lease_read, "503") == 4
+        assert mgr.save(1, make_state(1))
+        proxy.set_faults(sequence=("503",) * 4, match=lease_read)
+        assert mgr.save(2, make_state(2))  # commits, then retention deletes step 1
+        mgr.join()
+        assert proxy.count(lease_read, "503") == 8
+        assert mgr.all_steps() == [2]
+        proxy.set_faults()
+        check_restores(mgr, [2])
+    messages = retry_messages(caplog)
+    for what in ("storage: acquire the owner lease", "storage: read the owner lease"):
+        found = [m for m in messages if m.startswith(what)]
+        assert found and "attempt 1 of 5" in found[0] and "HTTP 503" in found[0], messages
+    assert CheckpointStorage(root, server.storage_options()).committed_steps() == [2]
+
+
 def test_a_permanent_403_fails_fast_lists_nothing_and_keeps_earlier_steps(
     server: Server, root: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
 ) -> None:
