@@ -49,13 +49,14 @@ class Faults:
     release: threading.Event = field(default_factory=threading.Event)
     raised: list[OSError] = field(default_factory=list)
     fail_read_suffixes: tuple[str, ...] = ()  # reads (cat_file) that fail once each
+    read_errno: int = errno.ECONNRESET  # (transient: retried; EIO is not)
 
     def before_read(self, path: str) -> None:
         """Fail the first read of each path ending in one of ``fail_read_suffixes``."""
         suffix = next((s for s in self.fail_read_suffixes if path.endswith(s)), None)
         if suffix is not None:
             self.fail_read_suffixes = tuple(s for s in self.fail_read_suffixes if s != suffix)
-            error = ConnectionResetError(errno.ECONNRESET, f"injected read failure for {path}")
+            error = OSError(self.read_errno, f"injected read failure for {path}")
             self.raised.append(error)
             raise error
 
@@ -1066,16 +1067,17 @@ def test_a_step_whose_retention_delete_failed_stays_listed_and_restorable(
 def test_a_failed_read_of_the_lease_before_a_retention_delete_deletes_nothing_and_fails_no_save(
     flaky: type[FlakyFileSystem],
 ) -> None:
-    """Retention reads owner.json right before it deletes. A read error there (a reset
-    connection, an EIO) escaped as the save's own failure: save() raised for a step it had
-    committed, and the step retention meant to delete stayed in storage but unlisted. Now
-    nothing is deleted, the save returns True, both steps stay listed and restorable, and the
-    error is reported like a failed deletion."""
+    """Retention reads owner.json right before it deletes. A read error there (an EIO) escaped
+    as the save's own failure: save() raised for a step it had committed, and the step
+    retention meant to delete stayed in storage but unlisted. Now nothing is deleted, the save
+    returns True, both steps stay listed and restorable, and the error is reported like a
+    failed deletion. (A transient error, a reset connection, is retried: the next test.)"""
     with CheckpointManager(
         f"{PROTOCOL}://run", 1, max_to_keep=1, chkpt_on_preemption=False
     ) as manager:
         assert manager.save(1, {"w": torch.full((2,), 1.0)})
         flaky.faults.fail_read_suffixes = ("owner.json",)
+        flaky.faults.read_errno = errno.EIO
         assert manager.save(2, {"w": torch.full((2,), 2.0)})
         assert flaky.faults.raised, "the injected fault was never hit"
         assert manager.all_steps() == [1, 2]
@@ -1084,6 +1086,23 @@ def test_a_failed_read_of_the_lease_before_a_retention_delete_deletes_nothing_an
         assert torch.equal(restored["w"], torch.full((2,), 1.0))
         with pytest.raises(CheckpointError, match="retention deleted nothing") as raised:
             manager.join()
-        assert isinstance(raised.value.__cause__, ConnectionResetError)
+        assert isinstance(raised.value.__cause__, OSError)
+        assert raised.value.__cause__.errno == errno.EIO
         assert manager.save(3, {"w": torch.full((2,), 3.0)})  # deletes 1 and 2 now
         assert manager.all_steps() == [3]
+
+
+def test_a_transient_failure_to_read_the_lease_before_a_retention_delete_is_retried(
+    flaky: type[FlakyFileSystem],
+) -> None:
+    """A reset connection on the read of owner.json before retention deletes is retried, as
+    every storage operation's transient failure: the deletion happens, nothing is raised."""
+    with CheckpointManager(
+        f"{PROTOCOL}://run", 1, max_to_keep=1, chkpt_on_preemption=False
+    ) as manager:
+        assert manager.save(1, {"w": torch.full((2,), 1.0)})
+        flaky.faults.fail_read_suffixes = ("owner.json",)
+        assert manager.save(2, {"w": torch.full((2,), 2.0)})
+        assert [error.errno for error in flaky.faults.raised] == [errno.ECONNRESET]
+        manager.join()
+        assert manager.all_steps() == [2]
