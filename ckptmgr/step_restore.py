@@ -23,6 +23,7 @@ from ckptmgr.pack_read_ahead import PackReadAhead
 from ckptmgr.packing import PACK_KEY
 from ckptmgr.prefetch import Prefetch
 from ckptmgr.record import CommitRecord, is_raw
+from ckptmgr.retry import http_status
 from ckptmgr.state import RestorePlan, plan_restore
 from ckptmgr.storage import CheckpointStorage, objects_file_name
 
@@ -215,13 +216,28 @@ class StepRestorer:
             return
         damaged = any(corrupt for _, corrupt in failures)
         if error is not None and damaged == isinstance(error, CorruptCheckpointError):
-            raise error
+            raise _storage_error_as_checkpoint_error(step, error)
         described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
         where = "another rank" if error is None else "more than one rank"
         message = f"restore of step {step} failed on {where}: {described}"
         if damaged:
             raise CorruptCheckpointError(message, step=step) from error
         raise CheckpointError(message) from error
+
+
+def _storage_error_as_checkpoint_error(step: int, error: Exception) -> Exception:
+    """``error``; or, for an error of storage (an ``OSError``, an HTTP error of gcsfs and the
+    like) that reading the record, the plain values or a file's size ran into (after its
+    retries), a ``CheckpointError`` naming the step, with ``error`` its cause: as a failed read
+    of the data files raises (:func:`_load`), and as :meth:`StepRestorer.restore` promises.
+    (The other ranks are told of ``error`` itself.)"""
+    if isinstance(error, CheckpointError):
+        return error
+    if not (isinstance(error, OSError) or http_status(error) is not None):
+        return error  # (the state's own: a Stateful's state_dict(), say, raised it)
+    failure = CheckpointError(f"restore of step {step} failed: {describe_error(error)}")
+    failure.__cause__ = error
+    return failure
 
 
 def _load(step: int, tensors: dict[str, torch.Tensor], reader: Any, group: Any) -> None:

@@ -8,6 +8,7 @@ paths. Everything else (the manager, DCP, the staging pool, the local disk) is r
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import re
@@ -28,7 +29,12 @@ import torch
 from conftest import in_forked_child
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ckptmgr import CheckpointError, CheckpointManager, StepNotFoundError
+from ckptmgr import (
+    CheckpointError,
+    CheckpointManager,
+    CorruptCheckpointError,
+    StepNotFoundError,
+)
 from ckptmgr.record import CommitRecord, utc_now
 from ckptmgr.retry import RetryConfig
 from ckptmgr.staging import StagingBuffers
@@ -572,6 +578,33 @@ def test_a_commit_record_that_landed_though_every_try_failed_counts_as_committed
     with pytest.raises(ConnectionResetError):  # not ours: the failure stands
         storage.commit(9, write_dir, other)
     storage.fs.rm("/landed-commit", recursive=True)
+
+
+def test_a_storage_error_reading_a_step_is_a_checkpoint_error_and_quarantines_nothing(
+    flaky: type[FlakyFileSystem],
+) -> None:
+    """A read of a step's plain values that fails for good (an EIO, after its retries) raised
+    the file system's own OSError from restore(), and from restore_latest(), which promise a
+    CheckpointError. It is a CheckpointError now (the OSError its cause), not a
+    CorruptCheckpointError: a read error says nothing of the checkpoint, which stays listed."""
+    with flaky_manager(f"{PROTOCOL}://run") as manager:
+        assert manager.save(1, make_state(1))
+        flaky.faults.read_errno = errno.EIO
+        for restore in (functools.partial(manager.restore, 1), manager.restore_latest):
+            flaky.faults.fail_read_suffixes = ("objects-rank00000.json",)
+            target = empty_like_state(make_state(1))
+            with pytest.raises(
+                CheckpointError, match=r"restore of step 1 failed: OSError"
+            ) as raised:
+                restore(target)
+            assert not isinstance(raised.value, CorruptCheckpointError)
+            assert isinstance(raised.value.__cause__, OSError)
+            assert raised.value.__cause__.errno == errno.EIO
+        assert len(flaky.faults.raised) == 2
+        assert manager.all_steps() == [1]
+        target = empty_like_state(make_state(1))
+        manager.restore(1, target)
+        assert_same_state(target, make_state(1))
 
 
 # -- leftovers of interrupted saves ------------------------------------------------------------

@@ -780,11 +780,15 @@ def test_two_ranks_restore_latest_raises_on_both_when_one_rank_fails_without_dam
 ) -> None:
     """An error on one rank that is no damage (here a PermissionError reading its file) makes
     restore_latest raise on both ranks, with nothing quarantined; the other rank used to look
-    for the step in storage alone (a collective the failing rank had left), and hang."""
+    for the step in storage alone (a collective the failing rank had left), and hang. Both
+    raise a CheckpointError (the failing rank's own cause is the PermissionError)."""
     root = tmp_path / "ckpts"
     result = run_two_ranks(tmp_path, DIST_FAILURE_SCRIPT, root)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "rank 1 outcome: PermissionError damaged=False: injected on rank 1" in result.stdout
+    assert (
+        "rank 1 outcome: CheckpointError damaged=False: restore of step 1 failed: "
+        "PermissionError: injected on rank 1"
+    ) in result.stdout
     assert "rank 0 outcome: CheckpointError damaged=False: restore of step 1 failed" in (
         result.stdout
     )
