@@ -715,7 +715,8 @@ def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
     while planning, for every destination, before anything is read; one after DCP's load, for
     what it loaded (its reader threads copy on streams of their own), also when the load fails,
     so that none of its copies lands after restore has raised. When that wait fails too, the
-    load's error is the one raised, and the wait's is logged."""
+    load's error is the one raised (an OSError injected here: as a CheckpointError, the OSError
+    its cause), and the wait's is logged."""
     import ckptmgr.step_restore as step_restore
 
     events: list[tuple[str, int]] = []
@@ -743,8 +744,9 @@ def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
             assert all(torch.equal(target[key], value) for key, value in state.items())
         else:
             with caplog.at_level(logging.WARNING, logger="ckptmgr"):
-                with pytest.raises(OSError, match="injected: the read failed"):
-                    mgr.restore(1, target)
+                with pytest.raises(CheckpointError, match="injected: the read failed") as raised:
+                    mgr.restore(1, target)  # (a storage error, as a CheckpointError)
+                assert isinstance(raised.value.__cause__, OSError)
             logged = "waiting for the devices failed too" in caplog.text
             assert logged == (failing == "load and wait")
     # 11 destinations; DCP loads "big" and the pack of the 10 small ones
