@@ -28,7 +28,7 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -894,7 +894,6 @@ _DAMAGE_TYPES: tuple[type[BaseException], ...] = (
     pickle.UnpicklingError,
     EOFError,
     zipfile.BadZipFile,
-    FileNotFoundError,
 )
 
 
@@ -916,6 +915,10 @@ def damage_in(error: BaseException) -> CorruptCheckpointError | None:
         seen.add(id(cause))
         if isinstance(cause, CorruptCheckpointError):
             return cause
+        if isinstance(cause, FileNotFoundError):  # (gone while read: a remote read finds out late)
+            missing = cause.filename or (cause.args[0] if cause.args else None)
+            name = PurePosixPath(missing).name if isinstance(missing, str) else None
+            return CorruptCheckpointError(f"a data file is missing: {cause!r}", path=name)
         if isinstance(cause, _DAMAGE_TYPES) or (
             isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause)
         ):

@@ -867,3 +867,27 @@ def test_hashing_writer_checksums_exactly_what_was_written(tmp_path: Path, targe
         assert len(written) < sum(memoryview(piece).nbytes for piece in pieces)
     assert hashing.size == len(written)
     assert hashing.crc == zlib.crc32(written)
+
+
+def test_a_data_file_gone_during_a_remote_restore_is_named_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A data file deleted after the listing that checked it (another job's retention, say) is
+    found by a remote read only when it reads: that was reported as "a tensor file cannot be
+    decoded: FileNotFoundError(...)", naming no file; it is "a data file is missing", with the
+    file's name as ``path``, as on a local disk. Fault injection: the check of the files' sizes
+    deletes the data file once it has passed."""
+    root = f"memory://gone-{uuid.uuid4().hex}"
+    real_check = CheckpointStorage.check_sizes
+
+    def check_then_delete(self: CheckpointStorage, step: int, record: CommitRecord) -> None:
+        real_check(self, step, record)
+        self.fs.rm_file(f"{self.step_path(step)}/__0_0.distcp")
+
+    with CheckpointManager(root, 1, chkpt_on_preemption=False) as mgr:
+        assert mgr.save(1, {"w": torch.rand(100_000)})
+        monkeypatch.setattr(CheckpointStorage, "check_sizes", check_then_delete)
+        with pytest.raises(CorruptCheckpointError, match="a data file is missing") as raised:
+            mgr.restore(1, {"w": torch.zeros(100_000)})
+        assert raised.value.path == "__0_0.distcp"
+    fsspec.filesystem("memory").rm(root.removeprefix("memory://"), recursive=True)
