@@ -890,6 +890,38 @@ def load_tensors(
         raise
 
 
+def original_error(error: BaseException) -> BaseException:
+    """The original exception inside DCP's ``CheckpointException`` (first failing rank), whose
+    own text is every failing rank's whole traceback.
+
+    When that exception is not an ``OSError`` but was raised from or while handling one, the
+    ``OSError`` is returned: torch.save's zip writer turns a failed write (``ENOSPC`` included)
+    into ``RuntimeError("[enforce fail ...] unexpected pos ...")``, which says nothing useful.
+    """
+    if isinstance(error, CheckpointError):  # ckptmgr's own: it already says what happened
+        return error
+    failures = getattr(error, "failures", None)
+    if isinstance(error, CheckpointException) and isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            return _os_error_behind(first[0])
+        if isinstance(first, BaseException):
+            return _os_error_behind(first)
+    return _os_error_behind(error)
+
+
+def _os_error_behind(error: BaseException) -> BaseException:
+    """The first ``OSError`` in the cause/context chain of ``error``, else ``error`` itself."""
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and all(current is not other for other in seen):
+        if isinstance(current, OSError):
+            return current
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return error
+
+
 _DAMAGE_TYPES: tuple[type[BaseException], ...] = (
     pickle.UnpicklingError,
     EOFError,

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptmgr import dcp_io, packing, pruning, retention
 from ckptmgr._version import __version__
@@ -715,7 +714,7 @@ class CheckpointManager:
                     self._save_plans.kept_results,
                 )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            local_error = local_error or _unwrap_dcp_error(exc)
+            local_error = local_error or dcp_io.original_error(exc)
         if request.release_staging is not None:  # the staged bytes are written, or never will be
             request.tensors = tensors = {}
             request.release_staging()
@@ -1307,34 +1306,3 @@ def _require_str_keys(value: Any, path: str) -> None:
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             _require_str_keys(item, f"{path}[{index}]")
-
-
-def _unwrap_dcp_error(error: BaseException) -> BaseException:
-    """The original exception inside DCP's ``CheckpointException`` (first failing rank).
-
-    When that exception is not an ``OSError`` but was raised from or while handling one, the
-    ``OSError`` is returned: torch.save's zip writer turns a failed write (``ENOSPC`` included)
-    into ``RuntimeError("[enforce fail ...] unexpected pos ...")``, which says nothing useful.
-    """
-    if isinstance(error, CheckpointError):  # ckptmgr's own: it already says what happened
-        return error
-    failures = getattr(error, "failures", None)
-    if isinstance(error, CheckpointException) and isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
-            return _os_error_behind(first[0])
-        if isinstance(first, BaseException):
-            return _os_error_behind(first)
-    return _os_error_behind(error)
-
-
-def _os_error_behind(error: BaseException) -> BaseException:
-    """The first ``OSError`` in the cause/context chain of ``error``, else ``error`` itself."""
-    seen: list[BaseException] = []
-    current: BaseException | None = error
-    while current is not None and all(current is not other for other in seen):
-        if isinstance(current, OSError):
-            return current
-        seen.append(current)
-        current = current.__cause__ or current.__context__
-    return error

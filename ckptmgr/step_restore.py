@@ -251,4 +251,5 @@ def _load(step: int, tensors: dict[str, torch.Tensor], reader: Any, group: Any) 
             raise CorruptCheckpointError(
                 f"restore of step {step} failed: {exc}", path=exc.path, step=step
             ) from exc
-        raise CheckpointError(f"restore of step {step} failed: {exc}") from exc
+        cause = describe_error(dcp_io.original_error(exc))  # (not every rank's traceback)
+        raise CheckpointError(f"restore of step {step} failed: {cause}") from exc

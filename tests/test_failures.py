@@ -607,6 +607,26 @@ def test_a_storage_error_reading_a_step_is_a_checkpoint_error_and_quarantines_no
         assert_same_state(target, make_state(1))
 
 
+def test_a_failed_read_of_a_data_file_names_the_error_not_dcps_tracebacks(
+    flaky: type[FlakyFileSystem],
+) -> None:
+    """A data file's read that fails for good (an EIO) fails the restore with a
+    CheckpointError whose message was DCP's CheckpointException as text: every failing rank's
+    whole traceback. It names the error itself now, on one line; DCP's exception is still the
+    cause."""
+    with flaky_manager(f"{PROTOCOL}://run") as manager:
+        assert manager.save(1, {"w": torch.rand(100_000)})  # (no pack: no read ahead of it)
+        flaky.faults.read_errno = errno.EIO
+        flaky.faults.fail_read_suffixes = (".distcp",)
+        with pytest.raises(CheckpointError) as raised:
+            manager.restore(1, {"w": torch.zeros(100_000)})
+        message = str(raised.value)
+        assert message.startswith("restore of step 1 failed: OSError: [Errno 5] injected read")
+        assert "\n" not in message and "Traceback" not in message
+        assert flaky.faults.raised
+        assert type(raised.value.__cause__).__name__ == "CheckpointException"
+
+
 # -- leftovers of interrupted saves ------------------------------------------------------------
 
 
