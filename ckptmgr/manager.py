@@ -45,6 +45,7 @@ from ckptmgr.record import (
     utc_now,
 )
 from ckptmgr.retry import RetryConfig
+from ckptmgr.root_opening import open_root
 from ckptmgr.save_plans import SavePlanCache
 from ckptmgr.save_policy import SavePolicy, is_rank_independent, schedule_from
 from ckptmgr.save_process import (
@@ -57,7 +58,7 @@ from ckptmgr.save_process import (
 from ckptmgr.staging import StagingBuffers, StagingPool
 from ckptmgr.state import flatten
 from ckptmgr.step_restore import StepRestorer
-from ckptmgr.storage import CheckpointStorage, json_bytes, log_moved_aside, objects_file_name
+from ckptmgr.storage import json_bytes, log_moved_aside, objects_file_name
 
 log = logging.getLogger("ckptmgr")
 
@@ -163,29 +164,19 @@ class CheckpointManager:
     def _start(self, config: CheckpointConfig) -> None:
         self.config = config
         self._closed = True  # until fully started, so close() in error paths does nothing
-        self._storage = CheckpointStorage(
-            config.path, config.storage_options, config.retry, create=not config.read_only
-        )
         self._comm = Collectives(config.process_group, config.collective_timeout_s)
         self._policy = _build_policy(config)
-        self._records = pruning.RecordReader(self._storage)
-        self._restorer = StepRestorer(self._storage, self._comm)
+        self._schedule = schedule_from(config.save_interval, config.save_policy, time.monotonic())
         self._record_tables = packing.RecordTableCache()  # used by the writer thread only
         self._save_packer = packing.SavePacker()  # save()'s packing, on the writer thread only
         # Names packed into one item (ckptmgr.packing); None once the ranks' packs differed.
         self._pack_filter: packing.PackFilter | None = packing.pack_filter(self._comm.world_size)
         self._save_plans = SavePlanCache()  # DCP's plans, kept between this manager's saves
-        self._schedule = schedule_from(config.save_interval, config.save_policy, time.monotonic())
         self._schedule_needs_agreement = not all(
             is_rank_independent(policy) for policy in self._schedule.policies
         )
         self._writer = BackgroundWriter()
         process_mode = config.async_mode == "process"
-        if process_mode and not self._storage.reachable_from_other_processes:
-            raise CheckpointError(
-                f"async_mode='process' writes from a daemon process, which cannot reach "
-                f"{config.path!r} (an in-memory file system); use async_mode='thread'"
-            )
         self._staging = StagingPool(
             config.max_pending_async, config.staging_budget_bytes, shared=process_mode
         )
@@ -196,6 +187,14 @@ class CheckpointManager:
                 config.collective_timeout_s,
                 kept_per_slot=config.max_pending_async,
             )
+        # One writing job per root: rank 0 holds the owner lease for the job (see lease.py).
+        opened = open_root(config, self._comm)  # on every rank, failing on every rank together
+        self._storage = opened.storage
+        self._lease: OwnerLease | None = opened.lease
+        self._committed: set[int] = set(opened.committed)
+        self._records = pruning.RecordReader(self._storage)
+        self._restorer = StepRestorer(self._storage, self._comm)
+        if self._save_process is not None:
             self._storage.run_local_file_work = self._save_process.run_when_idle
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
@@ -208,43 +207,6 @@ class CheckpointManager:
         # (the same set on every rank): a rank that learns of one late does not fail another
         # save with it. One entry per failure.
         self._agreed_failures: set[str] = set()
-        listed: list[int] = []
-        # One writing job per root: rank 0 holds the owner lease for the job (see lease.py).
-        self._lease: OwnerLease | None = None
-        lease_error: CheckpointError | None = None
-        if self._comm.is_coordinator and config.read_only:
-            listed = self._storage.committed_steps()  # no lease, no sweep: another job may write
-        elif self._comm.is_coordinator:
-            lease = OwnerLease(
-                self._storage.fs,
-                self._storage.root,
-                timeout_s=config.lease_timeout_s,
-                take_over=config.take_over,
-            )
-            try:  # (a storage operation: retried on a transient error, as every other)
-                self._storage.call(f"acquire the owner lease of {config.path}", lease.acquire)
-                self._lease = lease
-                listed = self._storage.sweep_and_list(config.leftover_grace_s)
-            except BaseException as exc:
-                lease.release()
-                self._lease = None
-                if not isinstance(exc, CheckpointError):
-                    raise
-                lease_error = exc
-        try:
-            refused, listed = self._comm.broadcast(
-                (None if lease_error is None else str(lease_error), listed),
-                self._comm.background_group,
-            )
-        except BaseException:  # a rank that never came: no manager, so no lease held either
-            if self._lease is not None:
-                self._lease.release()
-            raise
-        if lease_error is not None:
-            raise lease_error
-        if refused is not None:
-            raise CheckpointError(refused)
-        self._committed: set[int] = set(listed)
         # Signals, cloud metadata servers, the trigger file and (on TPU VMs) XLA's sync manager.
         try:
             self._preemption = (

@@ -30,6 +30,8 @@ with the repository root on ``PYTHONPATH``. Scenarios:
   once, into the saved layouts and resharded.
 * ``learned <ckpt_dir>``: failures one rank learns of alone (retention's delete on rank 0; a
   reserved name in rank 1's state) fail the next save on both ranks, and the ranks stay in step.
+* ``open_fails <ckpt_dir>``: opening the root fails on one rank only (rank 0's owner lease, rank
+  1's root creation): both ranks raise at once, and a manager opened next saves on both.
 * ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
   single-process manager lists the steps the 2-rank jobs wrote and restores the replicated state.
 
@@ -1066,6 +1068,58 @@ def scenario_learned(rank: int, ckpt_dir: str) -> dict[str, Any]:
     return record
 
 
+class RootRefusingLocalFileSystem(FlakyLocalFileSystem):
+    """:class:`FlakyLocalFileSystem` whose ``makedirs`` raises ``PermissionError`` on the ranks in
+    ``refusing_ranks`` (a root this rank may not create)."""
+
+    protocol = "ckptmgr-dist-refusing"
+    refusing_ranks: ClassVar[frozenset[int]] = frozenset()
+
+    def makedirs(self, path: Any, exist_ok: bool = False) -> None:
+        rank = int(os.environ.get("RANK", "0"))
+        if rank in type(self).refusing_ranks:
+            raise PermissionError(f"injected on rank {rank}: may not create {path}")
+        super().makedirs(path, exist_ok=exist_ok)
+
+
+def scenario_open_fails(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """Opening the root fails on one rank only: rank 0's owner lease cannot be written, then
+    rank 1 may not create the root. Each time the failing rank raises its own error and the
+    other a ``CheckpointError`` naming it, without waiting for the collective timeout in a
+    collective the failed rank never joined; then a manager opens and saves on both ranks
+    (their collectives still paired)."""
+    import torch
+
+    from ckptmgr import CheckpointManager
+
+    fsspec.register_implementation(FLAKY_PROTOCOL, FlakyLocalFileSystem, clobber=True)
+    fsspec.register_implementation(
+        RootRefusingLocalFileSystem.protocol, RootRefusingLocalFileSystem, clobber=True
+    )
+
+    def open_manager(url: str) -> CheckpointManager:
+        return CheckpointManager(
+            url,
+            1,
+            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+            chkpt_on_preemption=False,
+            retry={"max_attempts": 1},
+        )
+
+    record: dict[str, Any] = {}
+    FlakyLocalFileSystem.failing_ranks = frozenset({0})  # the lease's write, on rank 0 alone
+    record["lease_fails"] = _call(lambda: open_manager(f"{FLAKY_PROTOCOL}://{ckpt_dir}"))[1]
+    FlakyLocalFileSystem.failing_ranks = frozenset()
+    RootRefusingLocalFileSystem.refusing_ranks = frozenset({1})
+    url = f"{RootRefusingLocalFileSystem.protocol}://{ckpt_dir}/refused"
+    record["root_refused"] = _call(lambda: open_manager(url))[1]
+    RootRefusingLocalFileSystem.refusing_ranks = frozenset()
+    with open_manager(f"{FLAKY_PROTOCOL}://{ckpt_dir}") as manager:
+        record["saved"] = _call(lambda: manager.save(1, {"w": torch.arange(4.0)}))
+        record["steps"] = _gather(manager.all_steps())
+    return record
+
+
 def scenario_single(ckpt_dir: str) -> dict[str, Any]:
     """A plain single process (no torch.distributed) on the directory the 2-rank jobs wrote."""
     import torch.distributed as dist
@@ -1137,6 +1191,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_shared_chunks(rank, *paths))
         elif scenario == "learned":
             record.update(scenario_learned(rank, *paths))
+        elif scenario == "open_fails":
+            record.update(scenario_open_fails(rank, *paths))
         elif scenario == "raising_policy":
             record.update(scenario_raising_policy(rank, *paths))
         elif scenario == "single":

@@ -595,6 +595,37 @@ def test_a_failure_one_rank_learns_of_alone_fails_the_next_save_on_both(
         assert record["disk"] == _step_dirs([10]), where
 
 
+def test_opening_the_root_failing_on_one_rank_raises_on_both_at_once(
+    dirs: dict[str, Path],
+) -> None:
+    """A rank whose part of opening the root failed (rank 0's owner lease could not be written;
+    rank 1 may not create the root) raised its error before the start's collective, and the
+    other rank waited in it until the collective timeout, then raised gloo's error (a raw
+    ``RuntimeError`` or ``DistStoreError``). Now both take part: the failed rank raises its own
+    error, the other a ``CheckpointError`` naming it, and a manager opened next saves."""
+    launch = _torchrun("open_fails", dirs["out"], dirs["ckpt"].parent / "open_fails")
+    records = launch.checked_records(NPROC)
+    failed = "opening the checkpoint root failed"
+    for rank, record in records.items():
+        where = f"rank {rank}"
+        lease, refused = record["lease_fails"], record["root_refused"]
+        assert lease is not None and refused is not None, where
+        if rank == 0:
+            assert lease["type"] == "OSError", where
+            assert "injected write failure on rank 0" in lease["message"], where
+            assert refused["is_checkpoint_error"], where
+            assert refused["message"].startswith(f"rank 1: {failed}: PermissionError: "), where
+            assert "injected on rank 1: may not create" in refused["message"], where
+        else:
+            assert lease["is_checkpoint_error"], where
+            assert lease["message"].startswith(f"rank 0: {failed}: OSError: "), where
+            assert "injected write failure on rank 0" in lease["message"], where
+            assert refused["type"] == "PermissionError", where
+            assert "injected on rank 1: may not create" in refused["message"], where
+        assert record["saved"] == [True, None], where
+        assert record["steps"] == [[1], [1]], where
+
+
 def test_a_save_policy_raising_on_one_rank_raises_on_both_and_they_stay_in_step(
     dirs: dict[str, Path],
 ) -> None:
