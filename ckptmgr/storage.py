@@ -636,19 +636,49 @@ class CheckpointStorage:
         Stores without conditional writes (a ``mode`` that fsspec does not know, or HTTP 501 from
         an S3-compatible server) get a check and a plain write: a best effort, like GCS emulators
         that accept ``ifGenerationMatch=0`` and ignore it.
+
+        On a file system whose writes are not atomic (not an object store), a write that fails
+        midway may leave part of the record: that is removed (see :meth:`_remove_partial`),
+        so the step is not listed damaged, and a retried try does not find the file taken.
         """
         try:
-            self.fs.pipe_file(path, data, mode="create")
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+                return
+            except TypeError:
+                pass
+            except Exception as exc:
+                if http_status(exc) != 501:
+                    raise
+            self.fs.invalidate_cache(path)
+            if self.fs.exists(path):
+                raise FileExistsError(path)
+            self.fs.pipe_file(path, data)
+        except FileExistsError:  # there before this write: not its part
+            raise
+        except Exception:
+            if not self.is_object_store:  # (an object store never shows part of an object)
+                self._remove_partial(path, data)
+            raise
+
+    def _remove_partial(self, path: str, data: bytes) -> None:
+        """Remove what a failed write of ``data`` left at ``path``: a file holding the start of
+        ``data`` only (best effort: if it cannot be read or removed, the step is found damaged;
+        a file holding anything else is not this write's, and stays)."""
+        try:
+            self.fs.invalidate_cache(path)
+            left = self.fs.cat_file(path)  # (one try: this runs inside a try of the write)
+        except Exception:  # nothing there (or unreadable): nothing known to remove
             return
-        except TypeError:
-            pass
+        if left == data or not data.startswith(left):  # whole after all, or not this write's
+            return
+        try:
+            self.fs.rm_file(path)
+            log.warning(
+                "removed %s, left partly written (%d bytes) by a failed write", path, len(left)
+            )
         except Exception as exc:
-            if http_status(exc) != 501:
-                raise
-        self.fs.invalidate_cache(path)
-        if self.fs.exists(path):
-            raise FileExistsError(path)
-        self.fs.pipe_file(path, data)
+            log.warning("could not remove %s, left partly written by a failed write: %s", path, exc)
 
     def discard(self, path: str) -> None:
         """Remove an uncommitted write directory (best effort)."""

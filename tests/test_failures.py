@@ -56,6 +56,19 @@ class Faults:
     raised: list[OSError] = field(default_factory=list)
     fail_read_suffixes: tuple[str, ...] = ()  # reads (cat_file) that fail once each
     read_errno: int = errno.ECONNRESET  # (transient: retried; EIO is not)
+    cut_short_suffixes: tuple[str, ...] = ()  # writes that fail once each, leaving an empty file
+    cut_short_errno: int = errno.EIO
+
+    def cut_short(self, path: str) -> OSError | None:
+        """The error for a write of ``path`` that fails midway (its file created, nothing in
+        it), once per suffix of ``cut_short_suffixes``; None for other writes."""
+        suffix = next((s for s in self.cut_short_suffixes if path.endswith(s)), None)
+        if suffix is None:
+            return None
+        self.cut_short_suffixes = tuple(s for s in self.cut_short_suffixes if s != suffix)
+        error = OSError(self.cut_short_errno, f"injected failure midway through writing {path}")
+        self.raised.append(error)
+        return error
 
     def before_read(self, path: str) -> None:
         """Fail the first read of each path ending in one of ``fail_read_suffixes``."""
@@ -99,6 +112,10 @@ class FlakyFileSystem(MemoryFileSystem):
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if any(flag in mode for flag in "wxa+"):
             self.faults.before_write(self._strip_protocol(path))
+            error = self.faults.cut_short(self._strip_protocol(path))
+            if error is not None:
+                super()._open(path, mode).close()  # the file exists, empty, as the write began
+                raise error
         return super()._open(path, mode, **kwargs)
 
     def cat_file(self, path: str, *args: Any, **kwargs: Any) -> Any:
@@ -337,6 +354,41 @@ def test_failed_commit_record_write_lists_nothing(flaky: type[FlakyFileSystem], 
     assert mgr.save(4, make_state(4)) is True
     assert mgr.all_steps() == [4]
     mgr.close()
+
+
+@pytest.mark.parametrize("error", [errno.EIO, errno.ECONNRESET])
+def test_a_commit_record_write_failing_midway_leaves_no_partial_record(
+    flaky: type[FlakyFileSystem], error: int
+) -> None:
+    """A file system whose writes are not atomic (no object store) may keep the part of a
+    record written before its write failed. An empty ``commit.json`` was left listed: the
+    failed save's step looked committed and was damaged. A retried try (a reset connection)
+    then found the file there and took the step for another writer's (``AlreadyCommittedError``).
+    What the failed write left is removed: nothing is listed after an EIO, and the retry
+    commits."""
+    url = f"{PROTOCOL}://cut-short-{error}"
+    mgr = flaky_manager(url)
+    flaky.faults.cut_short_suffixes = ("commit.json",)
+    flaky.faults.cut_short_errno = error
+    try:
+        if error == errno.EIO:
+            with pytest.raises(CheckpointError, match="injected failure midway"):
+                mgr.save(4, make_state(4))
+            assert mgr.all_steps() == []
+            assert not [p for p in flaky.store if p.endswith("commit.json")]
+            with flaky_manager(url) as fresh:
+                assert fresh.all_steps() == []
+        else:
+            assert mgr.save(4, make_state(4)) is True
+        assert len(flaky.faults.raised) == 1
+        if error == errno.EIO:
+            assert mgr.save(4, make_state(4)) is True
+        assert mgr.all_steps() == [4]
+        restored = empty_like_state(make_state(4))
+        mgr.restore(4, restored)
+        assert_same_state(restored, make_state(4))
+    finally:
+        mgr.close()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
