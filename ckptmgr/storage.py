@@ -144,7 +144,41 @@ def find_files(
         if list_objects is not None:
             items, _ = fsspec.asyn.sync(fs.loop, list_objects, path, delimiter="")
             return {item["name"]: item for item in items}
+    if _walks_with_ls(fs):
+        return _find_by_ls(fs, path)
     return fs.find(path, detail=True)  # type: ignore[no-any-return]
+
+
+def _walks_with_ls(fs: AbstractFileSystem) -> bool:
+    """True where ``fs.find`` is fsspec's own: a walk of the tree, one ``ls`` per directory,
+    which leaves out every directory below the first whose ``ls`` fails, whatever its
+    ``on_error`` (fsspec 2026.9 does not pass it down the walk): files silently missing from
+    the listing, steps not listed, a committed step's directory looking empty."""
+    if isinstance(fs, fsspec.asyn.AsyncFileSystem):
+        return type(fs)._find is fsspec.asyn.AsyncFileSystem._find
+    return type(fs).find is AbstractFileSystem.find
+
+
+def _find_by_ls(fs: AbstractFileSystem, path: str) -> dict[str, dict[str, Any]]:
+    """What fsspec's own ``fs.find(path, detail=True)`` lists, by ``ls`` of each directory,
+    raising the error of one that cannot be listed (but for one gone meanwhile: deleted while
+    listed, it is left out)."""
+    top = fs._strip_protocol(path).rstrip("/")
+    found: dict[str, dict[str, Any]] = {}
+    pending = [top]
+    while pending:
+        directory = pending.pop()
+        try:
+            listing = fs.ls(directory, detail=True)
+        except FileNotFoundError:
+            continue
+        for info in listing:
+            name = info["name"].rstrip("/")
+            if info.get("type") != "directory":
+                found[name] = info
+            elif name.startswith(f"{directory}/"):  # (not the directory itself, nor above it)
+                pending.append(name)
+    return dict(sorted(found.items()))
 
 
 def _gcs_object_listing(fs: AbstractFileSystem) -> Callable[..., Any] | None:

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import fsspec
 import pytest
 import torch
+from _dist_worker import FlakyLocalFileSystem
 from conftest import in_forked_child
 from fsspec.implementations.memory import MemoryFileSystem
 
@@ -595,6 +596,56 @@ def test_a_written_file_that_storage_no_longer_holds_fails_the_commit(
         assert mgr.all_steps() == []
         assert mgr.save(2, make_state(2)) is True
         assert mgr.all_steps() == [2]
+
+
+class ListingFailingFileSystem(FlakyLocalFileSystem):
+    """The local disk behind a non-local protocol, listed by fsspec's own ``find`` (a walk, one
+    ``ls`` per directory); ``ls`` of a directory named in ``failing`` raises its errors first,
+    one per call."""
+
+    protocol = "ckptmgr-listing-fails"
+    failing: ClassVar[dict[str, list[OSError]]] = {}
+
+    def ls(self, path: Any, detail: bool = True, **kwargs: Any) -> Any:
+        errors = self.failing.get(self._p(path).rstrip("/").rsplit("/", 1)[-1])
+        if errors:
+            raise errors.pop(0)
+        return super().ls(path, detail=detail, **kwargs)
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_directory_that_cannot_be_listed_is_not_left_out_of_the_listing(
+    tmp_path: Path, persistent: bool
+) -> None:
+    """fsspec's own ``find`` (every file system without one of its own: SFTP, HDFS, ...) leaves
+    out a directory whose ``ls`` fails. A committed step whose directory could not be listed
+    was silently missing: a manager opened then listed step 1 alone, and ``restore_latest``
+    restored it instead of step 2. The error is raised now (an EIO, from the manager's
+    construction), or retried (a reset connection), and the step is listed."""
+    fsspec.register_implementation(
+        ListingFailingFileSystem.protocol, ListingFailingFileSystem, clobber=True
+    )
+    url = f"{ListingFailingFileSystem.protocol}://{tmp_path / 'root'}"
+    with flaky_manager(url) as mgr:
+        assert mgr.save(1, make_state(1)) and mgr.save(2, make_state(2))
+    if persistent:
+        errors = [OSError(errno.EIO, "injected listing failure")] * 10
+    else:
+        errors = [ConnectionResetError(errno.ECONNRESET, "injected reset")]
+    ListingFailingFileSystem.failing = {"step_000000000002": errors}
+    try:
+        if persistent:
+            with pytest.raises(OSError, match="injected listing failure"):
+                flaky_manager(url)
+            return
+        with flaky_manager(url) as mgr:
+            assert not ListingFailingFileSystem.failing["step_000000000002"]  # it was hit
+            assert mgr.all_steps() == [1, 2]
+            restored = empty_like_state(make_state(2))
+            assert mgr.restore_latest(restored) == 2
+            assert_same_state(restored, make_state(2))
+    finally:
+        ListingFailingFileSystem.failing = {}
 
 
 def test_a_commit_record_that_landed_though_every_try_failed_counts_as_committed(
