@@ -236,13 +236,18 @@ class BackgroundWriter:
             errors, self._errors = self._errors, []
         return errors
 
-    def raise_first_error(self) -> None:
-        """Raise the oldest unreported background failure (once), if any."""
+    def raise_first_error(
+        self, already_reported: Callable[[CheckpointError], bool] | None = None
+    ) -> None:
+        """Raise the oldest unreported background failure (once), if any; failures for which
+        ``already_reported`` is true are dropped (reported another way)."""
         with self._lock:
-            if not self._errors:
-                return
-            error, rest = self._errors[0], self._errors[1:]
-            self._errors = []
+            errors, self._errors = self._errors, []
+        if already_reported is not None:
+            errors = [error for error in errors if not already_reported(error)]
+        if not errors:
+            return
+        error, rest = errors[0], errors[1:]
         for other in rest:
             if hasattr(error, "add_note"):  # Python >= 3.11
                 error.add_note(f"another background save also failed: {other}")

@@ -525,6 +525,15 @@ class CheckpointManager:
             )
         return [fp for _, fp, _ in gathered]
 
+    def _raise_background_failure(self) -> None:
+        """Raise the oldest background failure not reported yet. One that a save's agreement
+        already raised on every rank is dropped: this rank learned of it late (its own part of
+        that save failed after a peer had told the others), and raising it again here, on this
+        rank alone, would report one failure twice and set the ranks on different paths."""
+        self._writer.raise_first_error(
+            lambda error: self._failure_key(error) in self._agreed_failures
+        )
+
     def _failure_key(self, error: BaseException) -> str:
         """What names one failure on every rank that learns of it: a failed save's key is its
         save id (every rank's error of it has the same); any other failure is this rank's own."""
@@ -994,7 +1003,7 @@ class CheckpointManager:
         """
         self._check_process()
         self._writer.wait()
-        self._writer.raise_first_error()
+        self._raise_background_failure()
 
     def close(self) -> None:
         """Join, stop the background thread and put back signal handlers. Idempotent."""
@@ -1016,7 +1025,7 @@ class CheckpointManager:
             except Exception as exc:
                 log.error("closing the checkpoint manager: %s", exc, exc_info=exc)
                 first_error = first_error or exc
-        self._writer.raise_first_error()
+        self._raise_background_failure()
         if first_error is not None:
             raise first_error
 

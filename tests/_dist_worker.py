@@ -30,6 +30,9 @@ with the repository root on ``PYTHONPATH``. Scenarios:
   once, into the saved layouts and resharded.
 * ``learned <ckpt_dir>``: failures one rank learns of alone (retention's delete on rank 0; a
   reserved name in rank 1's state) fail the next save on both ranks, and the ranks stay in step.
+* ``late_failure <ckpt_dir>``: a failed async save that rank 0 learns of only after rank 1
+  reported it at the next save's agreement is raised once on each rank, not again by rank 0's
+  ``join``.
 * ``open_fails <ckpt_dir>``: opening the root fails on one rank only (rank 0's owner lease, rank
   1's root creation): both ranks raise at once, and a manager opened next saves on both.
 * ``single <ckpt_dir>``: run with plain ``python`` (no torchrun, no torch.distributed): a
@@ -1120,6 +1123,56 @@ def scenario_open_fails(rank: int, ckpt_dir: str) -> dict[str, Any]:
     return record
 
 
+def scenario_late_failure(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """Rank 0's part of the async save of step 1 fails, and rank 0 learns of the failure only
+    after rank 1 has reported it at the next save's agreement (rank 0's writer is held in
+    removing the failed write). That save raises on both ranks; then ``join`` must raise the
+    failure on neither (it was raised once, on both: rank 0's join raised it again, alone),
+    and the next save commits on both."""
+    import threading
+
+    import torch
+
+    from ckptmgr import CheckpointManager
+
+    fsspec.register_implementation(FLAKY_PROTOCOL, FlakyLocalFileSystem, clobber=True)
+    manager = CheckpointManager(
+        f"{FLAKY_PROTOCOL}://{ckpt_dir}",
+        1,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        chkpt_on_preemption=False,
+    )
+    posted, released = threading.Event(), threading.Event()
+    record_error, discard = manager._writer.record_error, manager._storage.discard
+
+    def posting(error: Any) -> None:  # the writer reports a background failure
+        record_error(error)
+        posted.set()
+
+    def held_discard(path: str) -> None:  # rank 0 removes the failed write (the coordinator)
+        released.wait(WATCHDOG_S)
+        discard(path)
+
+    manager._writer.record_error = posting  # type: ignore[method-assign]
+    manager._storage.discard = held_discard  # type: ignore[method-assign]
+    state = {"w": torch.arange(4.0)}
+    record: dict[str, Any] = {}
+    FlakyLocalFileSystem.failing_ranks = frozenset({0})
+    record["async_1"] = _call(lambda: manager.save_async(1, state))
+    if rank == 1:
+        record["posted"] = posted.wait(WATCHDOG_S)  # rank 1 knows of the failure
+    record["save_2"] = _call(lambda: manager.save(2, state))[1]
+    FlakyLocalFileSystem.failing_ranks = frozenset()
+    released.set()
+    if rank == 0:
+        record["posted"] = posted.wait(WATCHDOG_S)  # rank 0 learns of it only now
+    record["join"] = _call(manager.join)[1]
+    record["save_3"] = _call(lambda: manager.save(3, state))
+    record["steps"] = _gather(manager.all_steps())
+    record["close"] = _call(manager.close)[1]
+    return record
+
+
 def scenario_single(ckpt_dir: str) -> dict[str, Any]:
     """A plain single process (no torch.distributed) on the directory the 2-rank jobs wrote."""
     import torch.distributed as dist
@@ -1193,6 +1246,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_learned(rank, *paths))
         elif scenario == "open_fails":
             record.update(scenario_open_fails(rank, *paths))
+        elif scenario == "late_failure":
+            record.update(scenario_late_failure(rank, *paths))
         elif scenario == "raising_policy":
             record.update(scenario_raising_policy(rank, *paths))
         elif scenario == "single":

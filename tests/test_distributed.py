@@ -626,6 +626,29 @@ def test_opening_the_root_failing_on_one_rank_raises_on_both_at_once(
         assert record["steps"] == [[1], [1]], where
 
 
+def test_a_failure_one_rank_learns_of_late_is_raised_once_on_each_rank(
+    dirs: dict[str, Path],
+) -> None:
+    """Rank 0's part of an async save failed, but rank 1 reported the failure first, at the next
+    save's agreement, which raised it on both ranks. Rank 0's writer posted it afterwards, and
+    rank 0's ``join`` raised it a second time, on rank 0 alone (the ranks then took different
+    paths). A failure a save's agreement raised on every rank is not raised again."""
+    launch = _torchrun("late_failure", dirs["out"], dirs["ckpt"].parent / "late_failure")
+    records = launch.checked_records(NPROC)
+    for rank, record in records.items():
+        where = f"rank {rank}"
+        assert record["async_1"] == [True, None], where
+        assert record["posted"] is True, where
+        error = record["save_2"]
+        assert error is not None and error["is_checkpoint_error"], where
+        assert "save of step 1 failed" in error["message"], where
+        assert "injected write failure on rank 0" in error["message"], where
+        assert record["join"] is None, where
+        assert record["save_3"] == [True, None], where
+        assert record["steps"] == [[3], [3]], where
+        assert record["close"] is None, where
+
+
 def test_a_save_policy_raising_on_one_rank_raises_on_both_and_they_stay_in_step(
     dirs: dict[str, Path],
 ) -> None:
