@@ -256,7 +256,8 @@ class _Flattener:
 def _collision(path: str) -> CheckpointError:
     """The error for a second entry of the state at ``path``."""
     return CheckpointError(
-        f"two entries of the state map to the same path {path!r} (keys like 3 and '3' in one dict)"
+        f"two entries of the state map to the same path {path!r} (keys like 3 and '3' in one "
+        "dict, or at the top of the state a key '' whose items' paths are those of top keys)"
     )
 
 

@@ -240,6 +240,8 @@ def test_str_subclass_keys_are_named_by_their_str() -> None:
         pytest.param(lambda t: {"l": [t], "l2": {0: [t], "0": [t]}}, "l2/0/0", id="in-lists"),
         pytest.param(lambda t: {"a": PerRank({1: t, "1": t})}, "%rank00000%/a/1", id="per-rank"),
         pytest.param(lambda t: {"a": {1.0: t, "1.0": t}}, "a/1.0", id="float-key"),
+        pytest.param(lambda t: {"": [t], "0": t}, "0", id="top-empty-key"),
+        pytest.param(lambda t: {"": {"w": t}, "w": 1}, "w", id="top-empty-key-plain"),
     ],
 )
 def test_keys_mapping_to_one_path_raise(make: Any, path: str) -> None:
@@ -1093,7 +1095,8 @@ def test_flatten_of_many_tensors_under_keys_of_one_path_raises_as_one_by_one(whe
 
 def _collision_message(path: str) -> str:
     return (
-        f"two entries of the state map to the same path {path!r} (keys like 3 and '3' in one dict)"
+        f"two entries of the state map to the same path {path!r} (keys like 3 and '3' in one "
+        "dict, or at the top of the state a key '' whose items' paths are those of top keys)"
     )
 
 
