@@ -32,9 +32,13 @@ from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+import fsspec
+import fsspec.core
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsspec.registry import known_implementations as fsspec_known_implementations
+from fsspec.registry import registry as fsspec_registered
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
@@ -756,19 +760,41 @@ def make_writer(
 class WriterRecipe:
     """A DCP writer on its way to the checkpoint daemon: pickled as the arguments of
     :func:`make_writer` (and its ``small_files``), made in the daemon as it reads the request.
-    The training process never builds the writer it does not write with."""
+    The training process never builds the writer it does not write with.
 
-    __slots__ = ("arguments", "commit", "small_files", "url_or_path")
+    A file system registered with fsspec at run time (``fsspec.register_implementation``) is
+    unknown in the daemon, a fresh process: its class goes along (pickled by its module and
+    name) and is registered there before the writer is made."""
+
+    __slots__ = ("arguments", "commit", "registered", "small_files", "url_or_path")
 
     def __init__(self, url_or_path: str, **arguments: Any) -> None:
         self.url_or_path = url_or_path
         self.arguments = arguments
         self.small_files: Mapping[str, bytes] = {}
         self.commit: Callable[[dcp_metadata.Metadata], Any] | None = None
+        self.registered = _registered_at_run_time(url_or_path)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        arguments = (self.url_or_path, self.arguments, dict(self.small_files), self.commit)
+        arguments = (
+            self.url_or_path,
+            self.arguments,
+            dict(self.small_files),
+            self.commit,
+            self.registered,
+        )
         return (_writer_from_recipe, arguments)
+
+
+def _registered_at_run_time(url: str) -> tuple[str, type] | None:
+    """(protocol, class) of ``url``'s file system where fsspec knows it only from a
+    registration at run time (not by name, as it knows its own and those of installed
+    packages); None for the others and for local paths."""
+    protocol, _ = fsspec.core.split_protocol(url)
+    if protocol is None or protocol in fsspec_known_implementations:
+        return None
+    found = fsspec_registered.get(protocol)
+    return None if found is None else (protocol, found)
 
 
 def _writer_from_recipe(
@@ -776,8 +802,11 @@ def _writer_from_recipe(
     arguments: dict[str, Any],
     small_files: dict[str, bytes],
     commit: Callable[[dcp_metadata.Metadata], Any] | None,
+    registered: tuple[str, type] | None = None,
 ) -> ChecksummingFileSystemWriter | RetryingFsspecWriter:
     """In the daemon: the writer a :class:`WriterRecipe` describes."""
+    if registered is not None and registered[0] not in fsspec_registered:
+        fsspec.register_implementation(*registered)
     writer = make_writer(url_or_path, **arguments)
     writer.small_files = small_files
     writer.commit = commit

@@ -1630,6 +1630,26 @@ def test_process_mode_saves_to_s3_and_restores_bit_exact(s3_server: Server) -> N
             assert (entry.size, entry.crc32) == (len(data), zlib.crc32(data)), entry
 
 
+def test_a_file_system_registered_at_run_time_is_known_to_the_daemon(tmp_path: Path) -> None:
+    """A protocol registered with ``fsspec.register_implementation`` in the training process
+    was unknown in the daemon (a fresh, spawned process): every save failed with "Checkpoint
+    background process is dead", the cause (``Protocol not known``) only in the daemon's
+    output. The daemon registers the same class before it writes."""
+    import fsspec
+    from _dist_worker import FLAKY_PROTOCOL, FlakyLocalFileSystem
+
+    fsspec.register_implementation(FLAKY_PROTOCOL, FlakyLocalFileSystem, clobber=True)
+    state = {"w": torch.arange(8.0), "n": 3}
+    with process_manager(f"{FLAKY_PROTOCOL}://{tmp_path / 'root'}") as mgr:
+        assert mgr.save_async(1, state)
+        mgr.join()
+        assert save_process_of(mgr).pid is not None, "save_async did not use a daemon"
+        assert mgr.all_steps() == [1]
+        target = {"w": torch.zeros(8), "n": 0}
+        mgr.restore(1, target)
+    assert torch.equal(target["w"], state["w"]) and target["n"] == 3
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
 def test_a_forked_child_of_a_process_mode_parent_saves_with_its_own_daemon(tmp_path: Path) -> None:
     """A child made by os.fork inherited multiprocessing's resource sharer from a parent that
