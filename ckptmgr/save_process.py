@@ -523,17 +523,17 @@ class SaveProcess:
                 return self._with_entries(metadata)
             except BaseException as exc:
                 process = daemon._save_process
-                if (
-                    self._group is None
-                    and getattr(exc, ANSWERED_ATTRIBUTE, False)
-                    and process.is_alive()
-                ):
+                answered = getattr(exc, ANSWERED_ATTRIBUTE, False)
+                if self._group is None and answered and process.is_alive():
                     self._sent_state_kept()
                     raise  # the daemon failed the save itself and serves on: kept
                 self._failed = True
                 # A broken pipe means the daemon closed its end: it died, or is dying. Its
                 # exit is awaited on its sentinel, without reaping it (another thread may).
-                broken = isinstance(exc, (OSError, EOFError))
+                # (An OSError the daemon answered, a write that failed there, is no broken
+                # pipe: it was taken for one, waited on for _EXIT_WAIT_S and reported as the
+                # daemon's death.)
+                broken = not answered and isinstance(exc, (OSError, EOFError))
                 if broken:
                     multiprocessing.connection.wait([process.sentinel], timeout=_EXIT_WAIT_S)
                 if broken or not process.is_alive():

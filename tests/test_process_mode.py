@@ -1650,6 +1650,78 @@ def test_a_file_system_registered_at_run_time_is_known_to_the_daemon(tmp_path: P
     assert torch.equal(target["w"], state["w"]) and target["n"] == 3
 
 
+ANSWERED_FAILURE_SCRIPT = r"""
+import errno, os, socket, sys
+
+import fsspec
+import torch
+import torch.distributed as dist
+from _dist_worker import FlakyLocalFileSystem
+
+from ckptmgr import CheckpointError, CheckpointManager
+
+
+class DataWritesFail(FlakyLocalFileSystem):
+    protocol = "ckptmgr-data-writes-fail"
+
+    def _open(self, path, mode="rb", **kwargs):
+        if "w" in mode and str(path).endswith(".metadata") and os.environ.get("FAIL_WRITES"):
+            raise OSError(errno.EIO, "injected failure of a write in the daemon")
+        return super()._open(path, mode, **kwargs)
+
+
+def main():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    fsspec.register_implementation(DataWritesFail.protocol, DataWritesFail, clobber=True)
+    os.environ["FAIL_WRITES"] = "1"  # the daemon, spawned at the first save, inherits it
+    url = f"{DataWritesFail.protocol}://{sys.argv[1]}"
+    state = {"w": torch.arange(8.0)}
+    with CheckpointManager(url, 1, async_mode="process", chkpt_on_preemption=False) as mgr:
+        mgr.save_async(1, state)
+        try:
+            mgr.join()
+        except CheckpointError as error:
+            print("error:", error)
+        del os.environ["FAIL_WRITES"]  # the next daemon writes
+        mgr.save_async(2, state)
+        mgr.join()
+        print("steps:", mgr.all_steps())
+    dist.destroy_process_group()
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_write_failing_in_the_daemon_is_not_taken_for_its_death_when_distributed(
+    tmp_path: Path,
+) -> None:
+    """Under torch.distributed (here one gloo rank), a save that failed in the daemon with an
+    ``OSError`` (writing ``.metadata``), answered by the daemon, was taken for a broken pipe: the
+    training process waited up to 5 s for the live daemon to exit, then reported "the
+    checkpoint daemon process died during the save". The save now fails with the daemon's
+    error, and the next save (with a new daemon: the ranks replace theirs together) commits."""
+    from conftest import REPO, run_bounded
+
+    script = tmp_path / "answered_failure.py"
+    script.write_text(ANSWERED_FAILURE_SCRIPT)
+    path = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    command = [sys.executable, "-X", "faulthandler", str(script), str(tmp_path / "root")]
+    result = run_bounded(command, timeout=120, env={**os.environ, "PYTHONPATH": path})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "ok" in result.stdout, output
+    error = next(line for line in result.stdout.splitlines() if line.startswith("error:"))
+    assert "injected failure of a write in the daemon" in error, output
+    assert "died" not in error, output
+    assert "steps: [2]" in result.stdout, output
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
 def test_a_forked_child_of_a_process_mode_parent_saves_with_its_own_daemon(tmp_path: Path) -> None:
     """A child made by os.fork inherited multiprocessing's resource sharer from a parent that
