@@ -696,21 +696,22 @@ class CheckpointStorage:
             raise
 
     def _remove_partial(self, path: str, data: bytes) -> None:
-        """Remove what a failed write of ``data`` left at ``path``: a file holding the start of
-        ``data`` only (best effort: if it cannot be read or removed, the step is found damaged;
-        a file holding anything else is not this write's, and stays)."""
+        """Remove what a failed create-only write of ``data`` left at ``path`` (nothing was
+        there before it): a file holding the start of ``data``, or one that cannot be read
+        (best effort: one that cannot be removed is found damaged later; a file holding anything
+        else is not this write's, and stays)."""
         try:
             self.fs.invalidate_cache(path)
-            left = self.fs.cat_file(path)  # (one try: this runs inside a try of the write)
-        except Exception:  # nothing there (or unreadable): nothing known to remove
+            left: bytes | None = self.fs.cat_file(path)  # (one try: within a try of the write)
+        except FileNotFoundError:  # nothing there
             return
-        if left == data or not data.startswith(left):  # whole after all, or not this write's
-            return
+        except Exception:  # there, but unreadable: made by this write all the same
+            left = None
+        if left is not None and (left == data or not data.startswith(left)):
+            return  # whole after all, or not this write's
         try:
             self.fs.rm_file(path)
-            log.warning(
-                "removed %s, left partly written (%d bytes) by a failed write", path, len(left)
-            )
+            log.warning("removed %s, left partly written by a failed write", path)
         except Exception as exc:
             log.warning("could not remove %s, left partly written by a failed write: %s", path, exc)
 

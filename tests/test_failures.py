@@ -357,20 +357,26 @@ def test_failed_commit_record_write_lists_nothing(flaky: type[FlakyFileSystem], 
     mgr.close()
 
 
-@pytest.mark.parametrize("error", [errno.EIO, errno.ECONNRESET])
+@pytest.mark.parametrize(
+    ("error", "unreadable"), [(errno.EIO, False), (errno.EIO, True), (errno.ECONNRESET, False)]
+)
 def test_a_commit_record_write_failing_midway_leaves_no_partial_record(
-    flaky: type[FlakyFileSystem], error: int
+    flaky: type[FlakyFileSystem], error: int, unreadable: bool
 ) -> None:
     """A file system whose writes are not atomic (no object store) may keep the part of a
     record written before its write failed. An empty ``commit.json`` was left listed: the
     failed save's step looked committed and was damaged. A retried try (a reset connection)
     then found the file there and took the step for another writer's (``AlreadyCommittedError``).
-    What the failed write left is removed: nothing is listed after an EIO, and the retry
+    What the failed write left is removed, even if it cannot be read back (the write was
+    create-only: nothing was there before it): nothing is listed after an EIO, and the retry
     commits."""
-    url = f"{PROTOCOL}://cut-short-{error}"
+    url = f"{PROTOCOL}://cut-short-{error}-{unreadable}"
     mgr = flaky_manager(url)
     flaky.faults.cut_short_suffixes = ("commit.json",)
     flaky.faults.cut_short_errno = error
+    if unreadable:  # its first read back fails (with an error that is not retried)
+        flaky.faults.fail_read_suffixes = ("commit.json",)
+        flaky.faults.read_errno = errno.EIO
     try:
         if error == errno.EIO:
             with pytest.raises(CheckpointError, match="injected failure midway"):
@@ -381,7 +387,7 @@ def test_a_commit_record_write_failing_midway_leaves_no_partial_record(
                 assert fresh.all_steps() == []
         else:
             assert mgr.save(4, make_state(4)) is True
-        assert len(flaky.faults.raised) == 1
+        assert len(flaky.faults.raised) == (2 if unreadable else 1)
         if error == errno.EIO:
             assert mgr.save(4, make_state(4)) is True
         assert mgr.all_steps() == [4]
