@@ -716,16 +716,40 @@ class CheckpointStorage:
             log.warning("could not remove %s, left partly written by a failed write: %s", path, exc)
 
     def discard(self, path: str) -> None:
-        """Remove an uncommitted write directory (best effort)."""
+        """Remove an uncommitted write directory (best effort). One that holds a whole commit
+        record stays (the commit landed after all, or another writer's did); one whose record is
+        partial (a failed write on a file system that is not an object store, which could not
+        be removed then) goes, the record first: the directory was cleared for this save."""
         try:
             if self.is_local:
                 self.run_local_file_work(remove_local_tree, path)
                 return
             existing = self._find(path)
-            if RECORD_NAME not in existing:
-                self._remove_tree(path, [f"{path}/{name}" for name in existing])
+            record = f"{path}/{RECORD_NAME}"
+            if RECORD_NAME in existing and not self._holds_partial_record(record):
+                return
+            files = [f"{path}/{name}" for name in existing if name != RECORD_NAME]
+            self._remove_tree(path, [record, *files] if RECORD_NAME in existing else files)
         except Exception as exc:  # the next manager's leftover sweep gets it
             log.warning("could not remove uncommitted checkpoint data %s: %s", path, exc)
+
+    def _holds_partial_record(self, record: str) -> bool:
+        """True when ``record`` reads back as no commit record at all (not damage to check:
+        only a write of this save's can have left it, on a file system that is not an object
+        store); False for a whole record, on an object store, or when it cannot be read."""
+        if self.is_object_store:
+            return False
+        try:
+            data = self._read_bytes(record)
+        except Exception:
+            return False
+        try:
+            CommitRecord.from_json(data)
+        except NewerFormatError:
+            return False
+        except ValueError:
+            return True
+        return False
 
     # -- deleting ----------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:

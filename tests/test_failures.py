@@ -59,6 +59,16 @@ class Faults:
     read_errno: int = errno.ECONNRESET  # (transient: retried; EIO is not)
     cut_short_suffixes: tuple[str, ...] = ()  # writes that fail once each, leaving an empty file
     cut_short_errno: int = errno.EIO
+    fail_remove_suffixes: tuple[str, ...] = ()  # removals (rm_file) that fail once each
+
+    def before_remove(self, path: str) -> None:
+        """Fail the first removal of each path ending in one of ``fail_remove_suffixes``."""
+        suffix = next((s for s in self.fail_remove_suffixes if path.endswith(s)), None)
+        if suffix is not None:
+            self.fail_remove_suffixes = tuple(s for s in self.fail_remove_suffixes if s != suffix)
+            error = OSError(errno.EIO, f"injected removal failure for {path}")
+            self.raised.append(error)
+            raise error
 
     def cut_short(self, path: str) -> OSError | None:
         """The error for a write of ``path`` that fails midway (its file created, nothing in
@@ -122,6 +132,10 @@ class FlakyFileSystem(MemoryFileSystem):
     def cat_file(self, path: str, *args: Any, **kwargs: Any) -> Any:
         self.faults.before_read(self._strip_protocol(path))
         return super().cat_file(path, *args, **kwargs)
+
+    def rm_file(self, path: str) -> None:
+        self.faults.before_remove(self._strip_protocol(path))
+        super().rm_file(path)
 
 
 @pytest.fixture
@@ -358,25 +372,33 @@ def test_failed_commit_record_write_lists_nothing(flaky: type[FlakyFileSystem], 
 
 
 @pytest.mark.parametrize(
-    ("error", "unreadable"), [(errno.EIO, False), (errno.EIO, True), (errno.ECONNRESET, False)]
+    ("error", "then"),
+    [
+        (errno.EIO, ""),
+        (errno.EIO, "unreadable"),
+        (errno.EIO, "unremovable"),
+        (errno.ECONNRESET, ""),
+    ],
 )
 def test_a_commit_record_write_failing_midway_leaves_no_partial_record(
-    flaky: type[FlakyFileSystem], error: int, unreadable: bool
+    flaky: type[FlakyFileSystem], error: int, then: str
 ) -> None:
     """A file system whose writes are not atomic (no object store) may keep the part of a
     record written before its write failed. An empty ``commit.json`` was left listed: the
     failed save's step looked committed and was damaged. A retried try (a reset connection)
     then found the file there and took the step for another writer's (``AlreadyCommittedError``).
     What the failed write left is removed, even if it cannot be read back (the write was
-    create-only: nothing was there before it): nothing is listed after an EIO, and the retry
-    commits."""
-    url = f"{PROTOCOL}://cut-short-{error}-{unreadable}"
+    create-only: nothing was there before it), and if its removal fails, by the removal of the
+    save's directory that follows: nothing is listed after an EIO, and the retry commits."""
+    url = f"{PROTOCOL}://cut-short-{error}-{then}"
     mgr = flaky_manager(url)
     flaky.faults.cut_short_suffixes = ("commit.json",)
     flaky.faults.cut_short_errno = error
-    if unreadable:  # its first read back fails (with an error that is not retried)
+    if then == "unreadable":  # its first read back fails (with an error that is not retried)
         flaky.faults.fail_read_suffixes = ("commit.json",)
         flaky.faults.read_errno = errno.EIO
+    if then == "unremovable":  # its first removal fails
+        flaky.faults.fail_remove_suffixes = ("commit.json",)
     try:
         if error == errno.EIO:
             with pytest.raises(CheckpointError, match="injected failure midway"):
@@ -387,7 +409,7 @@ def test_a_commit_record_write_failing_midway_leaves_no_partial_record(
                 assert fresh.all_steps() == []
         else:
             assert mgr.save(4, make_state(4)) is True
-        assert len(flaky.faults.raised) == (2 if unreadable else 1)
+        assert len(flaky.faults.raised) == (2 if then else 1)
         if error == errno.EIO:
             assert mgr.save(4, make_state(4)) is True
         assert mgr.all_steps() == [4]
