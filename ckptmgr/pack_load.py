@@ -26,7 +26,7 @@ from ckptmgr.dtypes import dtype_named
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.packing import PACK_KEY
 from ckptmgr.record import CommitRecord, TensorTable
-from ckptmgr.tensor_bytes import check_all_restorable
+from ckptmgr.tensor_bytes import check_all_restorable, check_none_on_meta
 
 try:
     from torch.distributed.tensor import DTensor
@@ -116,6 +116,7 @@ def split_for_load(
     """
     table = record.tensor_table
     if table.pack_offsets.count(None) == len(table.pack_offsets):  # nothing packed
+        check_none_on_meta(destinations)
         return dict(destinations), unpack_nothing
     dtypes: dict[str, _StoredDtype] = {}
     direct = _direct_runs(destinations, table, dtypes)
@@ -126,6 +127,14 @@ def split_for_load(
         to_load, runs, later, wanted_bytes, wanted_count = _matched_runs(
             destinations, table, dtypes
         )
+    # A destination on the meta device holds no data (a copy into it does nothing): the ones
+    # loaded on their own are looked at, and of the packed ones those of a run on a device
+    # other than the CPU (one look per run) or copied to later.
+    check_none_on_meta(to_load)
+    if any(run.device is not None and run.device.type == "meta" for run in runs) or (
+        later and any(dest.is_meta for dest, _, _ in later)
+    ):
+        check_none_on_meta(destinations)
     if not runs:
         return to_load, unpack_nothing
     size = _check_layout(record, runs, wanted_bytes, wanted_count, dtypes)

@@ -83,6 +83,21 @@ def check_all_restorable(tensors: Mapping[str, torch.Tensor]) -> None:
             )
 
 
+_IS_META = operator.attrgetter("is_meta")
+
+
+def check_none_on_meta(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise ``CheckpointError`` naming the first of ``tensors`` (name -> destination of a
+    restore) on the meta device: it holds no data, and a restore into it did nothing, silently.
+    (One C-level pass over the tensors.)"""
+    if any(map(_IS_META, tensors.values())):
+        name = next(name for name, tensor in tensors.items() if tensor.is_meta)
+        raise CheckpointError(
+            f"cannot restore into {name!r}: it is on the meta device, which holds no data; "
+            f"give it memory first (module.to_empty(device=...) for a module built on 'meta')"
+        )
+
+
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable ``memoryview`` of the bytes of the contiguous CPU ``tensor`` (no copy).
 

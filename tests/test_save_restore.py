@@ -704,6 +704,40 @@ def test_ints_too_long_for_json_decimals_round_trip(ckpt_dir: Path) -> None:
     assert target == {"n": huge, "m": [negative, 3]}
 
 
+@pytest.mark.parametrize("where", ["packed", "packed-other-dtype", "alone", "module"])
+def test_a_restore_into_a_meta_tensor_raises_naming_it(ckpt_dir: Path, where: str) -> None:
+    """A tensor on the meta device holds no data: a restore into one (a model built on 'meta'
+    and not given memory yet) did nothing and returned as if it had filled it. It raises,
+    naming the tensor, before anything is filled."""
+    saved = {
+        "small": torch.arange(6.0),
+        "other": torch.ones(3),
+        "big": torch.arange(2.0**15),  # 128 KiB: stored on its own, not packed
+        "model": nn.Linear(3, 2),
+    }
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, saved)
+        target: dict[str, Any] = {"other": torch.zeros(3)}
+        with torch.device("meta"):
+            if where == "packed":
+                target["small"], name = torch.empty(6), "small"
+            elif where == "packed-other-dtype":
+                target["small"], name = torch.empty(6, dtype=torch.float16), "small"
+            elif where == "alone":
+                target["big"], name = torch.empty(2**15), "big"
+            else:
+                target["model"], name = nn.Linear(3, 2), "model/weight"
+        with pytest.raises(
+            CheckpointError, match=f"cannot restore into '{name}': it is on the meta"
+        ):
+            mgr.restore(1, target)
+        assert torch.equal(target["other"], torch.zeros(3))  # nothing filled
+        if where == "module":
+            target["model"].to_empty(device="cpu")
+            mgr.restore(1, target)
+            assert torch.equal(target["model"].weight, saved["model"].weight)
+
+
 @pytest.mark.parametrize("failing", ["nothing", "load", "load and wait"])
 def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
     tmp_path: Path,
