@@ -526,6 +526,11 @@ class _RestorePlanner:
         """Load ``tensor`` from its stored name; raise if the checkpoint lacks it."""
         name = rank_private_name(path, self.rank) if private else path
         if name not in self.saved_tensors:
+            if path in self.saved_objects and not private:
+                raise CheckpointError(
+                    f"the checkpoint holds a plain value at {path!r} but the state to restore "
+                    "has a tensor there"
+                )
             raise self._missing(path, private)
         self.plan.tensors[name] = tensor
 

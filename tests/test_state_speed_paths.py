@@ -336,6 +336,8 @@ def test_restore_errors_name_the_path() -> None:
         restore({"a": {"b": torch.zeros(1), "m": 0}}, flat)
     with pytest.raises(CheckpointError, match=r"holds a tensor at 'a/b' but .* has a int there"):
         restore({"a": {"b": 0, "n": 0, "z": torch.zeros(1)}}, flat)
+    with pytest.raises(CheckpointError, match=r"holds a plain value at 'a/n' but .* a tensor"):
+        restore({"a": {"b": torch.zeros(1), "n": torch.zeros(1)}}, flat)
     with pytest.raises(CheckpointError, match=r"holds tensors under 'a' but the state"):
         restore({"a": {"b": 0}}, flat)
     with pytest.raises(CheckpointError, match=r"holds tensors under 'c/d' but the state"):
