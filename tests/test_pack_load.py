@@ -319,7 +319,17 @@ def test_a_failed_copy_out_of_the_pack_raises_checkpoint_error(
     assert isinstance(caught.value.__cause__, RuntimeError)
 
 
-def test_destinations_on_another_device_get_runs_of_their_own(tmp_path: Path) -> None:
+@pytest.fixture
+def meta_as_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let destinations on the meta device through a restore, where ``meta`` stands in for a
+    GPU (its runs take the device path on a machine without one). A restore refuses them
+    otherwise: they hold no data (tests/test_save_restore.py tests that)."""
+    monkeypatch.setattr(pack_load, "check_none_on_meta", lambda tensors: None)
+
+
+def test_destinations_on_another_device_get_runs_of_their_own(
+    tmp_path: Path, meta_as_a_device: None
+) -> None:
     """A plain destination off the CPU is filled from the pack by a run of its own (one copy of
     the run's bytes to its device, then one split there), cut from its CPU neighbours' runs.
     ``meta`` stands in for CUDA here: its runs take the device path without a GPU, and the CPU
@@ -341,7 +351,7 @@ def test_destinations_on_another_device_get_runs_of_their_own(tmp_path: Path) ->
 
 
 def test_a_devices_destinations_form_one_run_across_cpu_ones_between_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, meta_as_a_device: None
 ) -> None:
     """An optimizer's CPU step scalars lie between each parameter's GPU moments in key order,
     but not in a pack saved from a GPU (a dtype's CPU tensors first): a restore makes one run
@@ -559,7 +569,7 @@ def test_the_direct_path_makes_the_runs_that_matching_one_by_one_makes(
 
 @pytest.mark.parametrize("order", ["saved order", "reversed"])
 def test_destinations_all_on_one_device_take_the_direct_path(
-    tmp_path: Path, order: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, order: str, monkeypatch: pytest.MonkeyPatch, meta_as_a_device: None
 ) -> None:
     """Destinations all on one device other than the CPU (``meta`` stands in for a GPU) take
     the direct path too: its runs are on that device and are the runs of matching one by one,
@@ -620,7 +630,7 @@ def test_tensors_stored_on_their_own_are_loaded_apart_and_the_packed_ones_direct
     ],
 )
 def test_destinations_the_direct_path_leaves_to_matching_one_by_one(
-    tmp_path: Path, odd_one: str
+    tmp_path: Path, odd_one: str, meta_as_a_device: None
 ) -> None:
     """One destination that the direct copy cannot take sends every destination to the
     one-by-one matching, which copies the odd one through a piece or raises what is wrong."""
