@@ -63,32 +63,33 @@ class Faults:
 
     def before_remove(self, path: str) -> None:
         """Fail the first removal of each path ending in one of ``fail_remove_suffixes``."""
-        suffix = next((s for s in self.fail_remove_suffixes if path.endswith(s)), None)
-        if suffix is not None:
-            self.fail_remove_suffixes = tuple(s for s in self.fail_remove_suffixes if s != suffix)
-            error = OSError(errno.EIO, f"injected removal failure for {path}")
-            self.raised.append(error)
+        error = self._once("fail_remove_suffixes", path, errno.EIO, "removal failure for")
+        if error is not None:
             raise error
 
     def cut_short(self, path: str) -> OSError | None:
         """The error for a write of ``path`` that fails midway (its file created, nothing in
         it), once per suffix of ``cut_short_suffixes``; None for other writes."""
-        suffix = next((s for s in self.cut_short_suffixes if path.endswith(s)), None)
-        if suffix is None:
-            return None
-        self.cut_short_suffixes = tuple(s for s in self.cut_short_suffixes if s != suffix)
-        error = OSError(self.cut_short_errno, f"injected failure midway through writing {path}")
-        self.raised.append(error)
-        return error
+        what = "failure midway through writing"
+        return self._once("cut_short_suffixes", path, self.cut_short_errno, what)
 
     def before_read(self, path: str) -> None:
         """Fail the first read of each path ending in one of ``fail_read_suffixes``."""
-        suffix = next((s for s in self.fail_read_suffixes if path.endswith(s)), None)
-        if suffix is not None:
-            self.fail_read_suffixes = tuple(s for s in self.fail_read_suffixes if s != suffix)
-            error = OSError(self.read_errno, f"injected read failure for {path}")
-            self.raised.append(error)
+        error = self._once("fail_read_suffixes", path, self.read_errno, "read failure for")
+        if error is not None:
             raise error
+
+    def _once(self, suffixes: str, path: str, number: int, what: str) -> OSError | None:
+        """The injected error for ``path`` if it ends in one of the suffixes in the field named
+        ``suffixes``, which then loses that suffix (each fails once); None otherwise."""
+        pending: tuple[str, ...] = getattr(self, suffixes)
+        suffix = next((s for s in pending if path.endswith(s)), None)
+        if suffix is None:
+            return None
+        setattr(self, suffixes, tuple(s for s in pending if s != suffix))
+        error = OSError(number, f"injected {what} {path}")
+        self.raised.append(error)
+        return error
 
     def before_write(self, path: str) -> None:
         """Block or fail the write of ``path`` as configured (called before anything is stored)."""
