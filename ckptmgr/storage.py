@@ -552,6 +552,8 @@ class CheckpointStorage:
         target = self.aside_path(step)
         log.warning("moving quarantined step %d aside to %s before saving it again", step, target)
         files = sorted(self._find(source))
+        if not self.is_object_store:  # (a file system of directories: copies need one there)
+            self.call(f"create {target}", self.fs.makedirs, target, exist_ok=True)
         for name in files:  # copy everything, the record and the marker last, then delete
             if name not in (RECORD_NAME, QUARANTINE_NAME):
                 self.call(f"copy {name}", self.fs.copy, f"{source}/{name}", f"{target}/{name}")

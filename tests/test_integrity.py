@@ -18,6 +18,7 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
+from _dist_worker import FLAKY_PROTOCOL, FlakyLocalFileSystem
 from conftest import REPO, run_python
 
 from ckptmgr import (
@@ -58,12 +59,17 @@ def manager(root: str) -> CheckpointManager:
     return CheckpointManager(root, 1, chkpt_on_preemption=False)
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "directories"])
 def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A checkpoint root on local disk (DCP's FileSystemWriter) or in memory (the fsspec path
-    through RetryingFileSystem, as for gs:// and s3://)."""
+    """A checkpoint root on local disk (DCP's FileSystemWriter), in memory (the fsspec path
+    through RetryingFileSystem, as for gs:// and s3://), or on the local disk behind another
+    protocol (that path on a file system of real directories, as SFTP or HDFS)."""
     if request.param == "local":
         yield str(tmp_path / "ckpts")
+        return
+    if request.param == "directories":
+        fsspec.register_implementation(FLAKY_PROTOCOL, FlakyLocalFileSystem, clobber=True)
+        yield f"{FLAKY_PROTOCOL}://{tmp_path / 'ckpts'}"
         return
     name = f"/integrity-{uuid.uuid4().hex}"
     yield f"memory://{name}"
