@@ -301,8 +301,9 @@ def _balanced(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
     items of whole ``DIRECT_ALIGN`` blocks come first, largest first, then the others, largest
     first: every item of the first kind starts on a block boundary of its data file, where a
     direct write can take it from its (page-aligned, see ``staging.PAGE_ALIGNED_BYTES``) staged
-    memory without a copy (:mod:`ckptmgr.direct_write`)."""
-    buckets: list[list[tuple[int, WriteItem]]] = [[] for _ in range(max(1, bins))]
+    memory without a copy (:mod:`ckptmgr.direct_write`). No more lists than items are made,
+    whatever ``bins`` (``num_of_threads``) is."""
+    buckets: list[list[tuple[int, WriteItem]]] = [[] for _ in range(max(1, min(bins, len(items))))]
     loads = [0] * len(buckets)
     sized = sorted(((_item_bytes(item), item) for item in items), key=_size, reverse=True)
     for nbytes, item in sized:

@@ -785,3 +785,41 @@ def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
             assert logged == (failing == "load and wait")
     # 11 destinations; DCP loads "big" and the pack of the 10 small ones
     assert events == [("wait", 11), ("load", 2), ("wait", 2)]
+
+
+def test_more_writer_threads_than_tensors_write_one_data_file_per_tensor(tmp_path: Path) -> None:
+    # num_of_threads is an upper bound: a save of three tensors writes three data files (three
+    # threads), whatever the setting; before, the tensors were spread over num_of_threads
+    # lists made up front, and num_of_threads=10**9 got the process killed for its memory.
+    generator = torch.Generator().manual_seed(11)
+    state = {f"t{i}": torch.randn(100_000, generator=generator) for i in range(3)}
+    with CheckpointManager(tmp_path, 1, num_of_threads=10**9, chkpt_on_preemption=False) as manager:
+        assert manager.save(1, state)
+        assert manager.save_async(2, state)
+        manager.join()
+        for step in (1, 2):
+            restored = {name: torch.zeros(100_000) for name in state}
+            manager.restore(step, restored)
+            assert all(torch.equal(restored[name], state[name]) for name in state)
+            data_files = list((tmp_path / f"step_{step:012d}").glob("*.distcp"))
+            assert len(data_files) == 3
+
+
+def test_the_spread_of_tensors_over_writer_threads_makes_no_list_per_idle_thread() -> None:
+    import tracemalloc
+
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+
+    from ckptmgr import dcp_io
+
+    generator = torch.Generator().manual_seed(12)
+    state = {f"t{i}": torch.randn(1000, generator=generator) for i in range(4)}
+    items = create_default_local_save_plan(state, is_coordinator=True).items
+    tracemalloc.start()
+    try:
+        buckets = dcp_io._balanced(10**6, items)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sorted(len(bucket) for bucket in buckets) == [1, 1, 1, 1]
+    assert peak < 1_000_000  # a million empty lists and their loads took about 70 MB
