@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import numbers
 import operator
 import os
 import sys
@@ -1241,16 +1242,26 @@ def _checked_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
         )
     checked = {}
     for name, value in metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if (
-            not isinstance(name, str)
-            or isinstance(value, bool)
-            or not isinstance(value, (int, float))
-        ):
-            raise ValueError(f"metrics must map str -> number; bad entry {name!r}: {value!r}")
-        checked[name] = float(value)
+        try:
+            if not isinstance(name, str):
+                raise TypeError("the name is not a str")
+            checked[name] = _metric_value(value)
+        except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+            raise ValueError(
+                f"metrics must map str -> number; bad entry {name!r}: {value!r} ({exc})"
+            ) from None
     return checked
+
+
+def _metric_value(value: Any) -> float:
+    """A metric as the float stored: a real number (Python's, NumPy's, any ``numbers.Real``)
+    or a one-element tensor; never a bool. Raises TypeError, or the conversion's error (a
+    number beyond a float's range: OverflowError; a tensor with no data: RuntimeError)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError("not a number")
+    return float(value)
 
 
 def _checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -182,6 +182,38 @@ def test_nan_metrics_are_stored_and_read_back(ckpt_dir: Path) -> None:
     assert str(record["metrics"]["loss"]) == "nan" and record["metrics"]["gnorm"] == float("inf")
 
 
+def test_numpy_numbers_are_metrics(ckpt_dir: Path) -> None:
+    import numpy as np
+
+    metrics = {"loss": np.float32(0.5), "tokens": np.int64(3), "acc": torch.tensor([0.25])}
+    with _manager(ckpt_dir) as manager:
+        assert manager.save(1, _state(), metrics=metrics)
+    record = json.loads((ckpt_dir / "step_000000000001" / "commit.json").read_text())
+    assert record["metrics"] == {"loss": 0.5, "tokens": 3.0, "acc": 0.25}
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        pytest.param(10**400, "int too large to convert to float", id="beyond-a-float"),
+        pytest.param(torch.empty(1, device="meta"), "meta tensors", id="meta-tensor"),
+        pytest.param(True, "not a number", id="bool"),
+        pytest.param("0.5", "not a number", id="str"),
+        pytest.param(torch.zeros(2), "not a number", id="two-elements"),
+    ],
+)
+def test_a_metric_that_is_no_number_is_a_value_error_and_nothing_is_written(
+    ckpt_dir: Path, value: object, why: str
+) -> None:
+    with _manager(ckpt_dir) as manager:
+        with pytest.raises(ValueError, match=f"bad entry 'loss': .*{why}"):
+            manager.save(1, _state(), metrics={"loss": value})
+        with pytest.raises(ValueError, match="bad entry 'loss'"):
+            manager.save_async(1, _state(), metrics={"loss": value})
+        assert manager.all_steps() == []
+    assert not list(ckpt_dir.glob("step_*"))
+
+
 def test_save_policies_decide_when_save_interval_is_none(ckpt_dir: Path) -> None:
     policies = [SaveAtSteps([3, 7]), SaveFirstStep()]
     with _manager(ckpt_dir, save_interval=None, save_policy=policies) as manager:
