@@ -894,10 +894,14 @@ def save_tensors(
 
 
 def load_tensors(
-    tensors: dict[str, torch.Tensor], reader: Any, group: dist.ProcessGroup | None
+    tensors: dict[str, torch.Tensor],
+    reader: Any,
+    group: dist.ProcessGroup | None,
+    planner: TensorOnlyLoadPlanner | None = None,
 ) -> None:
     """Fill ``tensors`` in place from a checkpoint with DCP; collective over ``group`` when
-    distributed (:mod:`ckptmgr.collective_load`).
+    distributed (:mod:`ckptmgr.collective_load`); ``planner``: a new
+    :class:`TensorOnlyLoadPlanner` when None.
 
     Damage found while reading (a file that fails its check, metadata that is refused, a tensor
     record that cannot be decoded, a missing file) raises ``CorruptCheckpointError``, whichever
@@ -905,14 +909,16 @@ def load_tensors(
     written to (see :func:`tensor_bytes.check_all_restorable`) raises ``CheckpointError``
     naming it.
     """
+    planner = planner or TensorOnlyLoadPlanner()
     try:
         if group is not None:
-            load_over_group(tensors, reader, TensorOnlyLoadPlanner(), group)
+            load_over_group(tensors, reader, planner, group)
         else:
-            dcp.load(tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner())
+            dcp.load(tensors, storage_reader=reader, planner=planner)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        raise_interruption(exc)
         corrupt = damage_in(exc) or getattr(reader, "metadata_error", None)
         if corrupt is not None:
             raise corrupt from exc
@@ -930,14 +936,30 @@ def original_error(error: BaseException) -> BaseException:
     """
     if isinstance(error, CheckpointError):  # ckptmgr's own: it already says what happened
         return error
+    return _os_error_behind(_first_failure(error))
+
+
+def raise_interruption(error: BaseException) -> None:
+    """Raise the ``KeyboardInterrupt`` (or ``SystemExit``) inside DCP's ``CheckpointException``,
+    if that is what ``error`` holds: DCP catches every ``BaseException`` of a save's or load's
+    steps, and Ctrl-C during a write or read would otherwise end as a failed save or restore
+    (``CheckpointError``), which a training script may well catch and carry on after."""
+    first = _first_failure(error)
+    if first is not error and isinstance(first, (KeyboardInterrupt, SystemExit)):
+        raise first
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """The exception of the first failing rank inside DCP's ``CheckpointException``, else
+    ``error`` itself."""
     failures = getattr(error, "failures", None)
     if isinstance(error, CheckpointException) and isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
         if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
-            return _os_error_behind(first[0])
+            return first[0]
         if isinstance(first, BaseException):
-            return _os_error_behind(first)
-    return _os_error_behind(error)
+            return first
+    return error
 
 
 def _os_error_behind(error: BaseException) -> BaseException:

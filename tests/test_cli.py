@@ -440,6 +440,63 @@ def test_export_refuses_a_damaged_plain_values_file(
     assert not output.exists()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "flipped-byte", "deleted"])
+def test_export_of_a_damaged_data_file_fails_on_one_line(
+    source: SourceCheckpoint, tmp_path: Path, damage: str
+) -> None:
+    """Damage found while the tensors were read came out of DCP as its CheckpointException
+    (a BaseException): the command ended in a Python traceback instead of one line."""
+    root = copy_root(source, tmp_path)
+    data_file = root / f"step_{EXPORTED_STEP:012d}" / "__0_0.distcp"
+    data = bytearray(data_file.read_bytes())
+    if damage == "truncated":
+        data_file.write_bytes(bytes(data[:10]))
+    elif damage == "flipped-byte":
+        data[len(data) // 2] ^= 0x01
+        data_file.write_bytes(bytes(data))
+    else:
+        data_file.unlink()
+    output = tmp_path / "exported.pt"
+    result = run_cli("export", str(root), str(EXPORTED_STEP), str(output))
+    assert result.returncode == 1, result.stderr
+    line = one_error_line(result.stderr)
+    assert "__0_0.distcp" in line and "damaged" in line, line
+    assert not output.exists()
+
+
+INTERRUPTED_EXPORT = r"""
+import signal, sys
+
+from ckptmgr import dcp_io
+from ckptmgr.cli import main
+
+real_read_data = dcp_io._RawTensorReader.read_data
+
+
+def interrupted_read_data(self, *args, **kwargs):
+    signal.raise_signal(signal.SIGINT)  # Ctrl-C, while DCP reads the tensors
+    return real_read_data(self, *args, **kwargs)
+
+
+dcp_io._RawTensorReader.read_data = interrupted_read_data
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_export_reads_the_tensors_exits_130(
+    source: SourceCheckpoint, tmp_path: Path
+) -> None:
+    """DCP wraps the KeyboardInterrupt of its read in its CheckpointException: it was not taken
+    for Ctrl-C (a traceback, exit 1)."""
+    output = tmp_path / "exported.pt"
+    result = run_python(
+        INTERRUPTED_EXPORT, "export", str(source.root), str(EXPORTED_STEP), str(output)
+    )
+    assert result.returncode == 130, result.stderr
+    assert result.stderr.strip() == "ckptmgr: interrupted", result.stderr
+    assert not output.exists()
+
+
 def test_rm_refuses_a_missing_step_and_deletes_committed_ones(
     source: SourceCheckpoint, tmp_path: Path
 ) -> None:

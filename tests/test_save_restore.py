@@ -823,3 +823,44 @@ def test_the_spread_of_tensors_over_writer_threads_makes_no_list_per_idle_thread
         tracemalloc.stop()
     assert sorted(len(bucket) for bucket in buckets) == [1, 1, 1, 1]
     assert peak < 1_000_000  # a million empty lists and their loads took about 70 MB
+
+
+INTERRUPTED_RESTORE = r"""
+import signal, sys
+
+import torch
+
+from ckptmgr import CheckpointManager, dcp_io
+
+state = {"w": torch.arange(10_000, dtype=torch.float32)}
+real_read_data = dcp_io._RawTensorReader.read_data
+interrupt = [True]
+
+
+def read_data(self, *args, **kwargs):
+    if interrupt:
+        interrupt.pop()
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C, while DCP reads the tensors
+    return real_read_data(self, *args, **kwargs)
+
+
+dcp_io._RawTensorReader.read_data = read_data
+with CheckpointManager(sys.argv[1], 1, chkpt_on_preemption=False) as manager:
+    manager.save(1, state)
+    target = {"w": torch.zeros(10_000)}
+    try:
+        manager.restore(1, target)
+    except BaseException as exc:
+        print(type(exc).__name__)
+    manager.restore(1, target)
+    print(torch.equal(target["w"], state["w"]))
+"""
+
+
+def test_ctrl_c_during_a_restore_is_a_keyboard_interrupt(tmp_path: Path) -> None:
+    # DCP wraps the KeyboardInterrupt of its read in its CheckpointException: the restore
+    # raised CheckpointError("restore of step 1 failed: KeyboardInterrupt"), which a script
+    # that starts afresh when a restore fails would have taken for a failed restore.
+    result = run_python(INTERRUPTED_RESTORE, str(tmp_path / "ckpts"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["KeyboardInterrupt", "True"], result.stdout
