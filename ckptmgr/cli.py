@@ -466,7 +466,7 @@ def step_summary(storage: CheckpointStorage, step: int) -> Report:
     """One row of ``ls``: what the commit record says, or why it cannot be read."""
     try:
         record = storage.read_record(step)
-    except CheckpointError as error:
+    except (CheckpointError, OSError) as error:  # (OSError: unreadable, say no permission)
         return {
             "step": step,
             "committed_at": None,
@@ -691,7 +691,7 @@ def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: 
     }
     try:
         record = storage.read_record(step)
-    except CheckpointError as error:
+    except (CheckpointError, OSError) as error:  # (OSError: unreadable, say no permission)
         row["error"] = one_line(error)
         return row
     step_path = storage.step_path(step)

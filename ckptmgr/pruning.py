@@ -61,8 +61,8 @@ class RecordReader:
         for step in sorted(wanted - set(self._cache)):
             try:
                 record = self.storage.read_record(step)
-            except CheckpointError as exc:
-                unreadable[step] = str(exc)
+            except (CheckpointError, OSError) as exc:  # (OSError: say no permission)
+                unreadable[step] = " ".join(str(exc).split())  # (on one line)
                 continue
             self._cache[step] = CheckpointInfo(step, record.committed_at, dict(record.metrics))
         return [self._cache[s] for s in sorted(wanted) if s in self._cache], unreadable

@@ -756,6 +756,8 @@ class CheckpointStorage:
     # -- deleting ----------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:
         """Delete a committed step: the record first (so it is never half-listed), then the data.
+        Raises when the step could not be deleted (it stays listed and whole); a failure after
+        that, to remove its files, is logged, and the next manager's sweep removes them.
 
         On remote stores the data objects are listed once and deleted in batches (S3 deletes up
         to 1000 keys per request).
@@ -770,7 +772,17 @@ class CheckpointStorage:
             self.call(f"delete commit record {record}", self.fs.rm_file, record)
         except FileNotFoundError:
             pass
-        self._remove_tree(path, [f"{path}/{name}" for name in self._find(path)])
+        try:
+            self._remove_tree(path, [f"{path}/{name}" for name in self._find(path)])
+        except Exception as exc:  # the step is deleted (not listed): its files are a leftover
+            log.warning(
+                "step %d is deleted (its commit record is gone), but removing its files under "
+                "%s failed: %s: %s; the next manager's sweep of leftovers removes them",
+                step,
+                path,
+                type(exc).__name__,
+                exc,
+            )
 
     def _remove_tree(self, path: str, files: list[str]) -> None:
         """Delete ``files`` (all under ``path``) in batches, then ``path`` itself if it is a
@@ -885,7 +897,7 @@ class CheckpointStorage:
             return True
         if parse_step_dir_name(name) is None:
             return False
-        return not self.fs.exists(f"{full}/{RECORD_NAME}")
+        return not exists_locally(f"{full}/{RECORD_NAME}")
 
     def _newest_mtime(self, path: str) -> float | None:
         """The newest modification time under ``path``; None when it is gone meanwhile (a save
@@ -914,7 +926,7 @@ class CheckpointStorage:
                 os.rename(path, aside)
             except FileNotFoundError:
                 return False
-            if os.path.exists(os.path.join(aside, RECORD_NAME)):  # committed meanwhile
+            if exists_locally(os.path.join(aside, RECORD_NAME)):  # committed meanwhile
                 os.rename(aside, path)
                 return False
             path = aside
@@ -931,8 +943,10 @@ def local_committed_steps(root: str) -> list[int]:
 
 def local_committed_and_quarantined(root: str) -> tuple[set[int], set[int]]:
     """(steps with a commit record, steps with a quarantine marker) under the local root
-    ``root``: two calls of the C library's ``glob`` (:func:`_glob_committed_and_quarantined`),
-    or, where that cannot answer, one directory listing plus a ``stat`` per step."""
+    ``root``: three calls of the C library's ``glob`` (:func:`_glob_committed_and_quarantined`),
+    or, where that cannot answer, one directory listing plus a ``stat`` per step. A step
+    directory that cannot be looked in (no permission, an I/O error) raises the ``OSError``:
+    it may hold a committed step."""
     matched = _glob_committed_and_quarantined(root)
     if matched is not None:
         return matched
@@ -940,26 +954,38 @@ def local_committed_and_quarantined(root: str) -> tuple[set[int], set[int]]:
     quarantined: set[int] = set()
     for name in _listdir(root):
         step = parse_step_dir_name(name)
-        if step is None:
-            continue
-        if os.path.exists(os.path.join(root, name, RECORD_NAME)):
-            committed.add(step)
-            if os.path.exists(os.path.join(root, name, QUARANTINE_NAME)):
-                quarantined.add(step)
+        if step is not None:
+            _look_in_step_dir(root, name, step, committed, quarantined)
     return committed, quarantined
 
 
+def _look_in_step_dir(
+    root: str, name: str, step: int, committed: set[int], quarantined: set[int]
+) -> None:
+    """Add ``step`` to ``committed`` (and ``quarantined``) by what its directory ``name``
+    holds; raises for a directory that cannot be looked in (see :func:`exists_locally`)."""
+    if exists_locally(os.path.join(root, name, RECORD_NAME)):
+        committed.add(step)
+        if exists_locally(os.path.join(root, name, QUARANTINE_NAME)):
+            quarantined.add(step)
+
+
 def _glob_committed_and_quarantined(root: str) -> tuple[set[int], set[int]] | None:
-    """The listing of :func:`local_committed_and_quarantined` in two calls of the C library
+    """The listing of :func:`local_committed_and_quarantined` in three calls of the C library
     (:mod:`ckptmgr.local_glob`) instead of a ``stat`` per step from Python, each of which costs
     a Python-bound training loop a GIL hand-over. None where that cannot answer, and where
     nothing matched (a root that is missing, empty or not a directory, which the listing in
-    Python handles as it always did, and at no cost)."""
+    Python handles as it always did, and at no cost).
+
+    glob(3) takes a record it cannot look at (a step directory without permission) for a
+    missing one: every step directory it found no record in (a leftover, or such a directory)
+    is looked in from Python, which raises for it (usually none or a few)."""
     records = local_glob.match(root, f"step_*/{RECORD_NAME}")
     if not records:
         return None
     markers = local_glob.match(root, f"step_*/{QUARANTINE_NAME}")
-    if markers is None:
+    step_dirs = local_glob.match(root, "step_*/")
+    if markers is None or step_dirs is None:
         return None
 
     def steps(paths: list[str], in_step_dir: re.Pattern[str]) -> set[int]:
@@ -967,7 +993,13 @@ def _glob_committed_and_quarantined(root: str) -> tuple[set[int], set[int]] | No
         return {int(match.group(1)) for match in found if match is not None}
 
     committed = steps(records, _RECORD_IN_STEP_DIR)
-    return committed, steps(markers, _MARKER_IN_STEP_DIR) & committed
+    quarantined = steps(markers, _MARKER_IN_STEP_DIR) & committed
+    for path in step_dirs:
+        name = path.rstrip("/")
+        step = parse_step_dir_name(name)
+        if step is not None and step not in committed:
+            _look_in_step_dir(root, name, step, committed, quarantined)
+    return committed, quarantined
 
 
 def log_moved_aside(step: int, aside: str) -> None:
@@ -1001,12 +1033,12 @@ def commit_local_step(root: str, path: str, final: str, aside: str, record: byte
     write_synced(os.path.join(path, RECORD_NAME), record)
     _fsync_dir(path)
     moved_aside = False
-    if os.path.exists(os.path.join(final, QUARANTINE_NAME)) and os.path.exists(final_record):
+    if exists_locally(os.path.join(final, QUARANTINE_NAME)) and exists_locally(final_record):
         os.rename(final, aside)  # kept, unlisted: a new save takes the step's name
         _fsync_dir(root)
         moved_aside = True
-    if os.path.exists(final):
-        if os.path.exists(final_record):
+    if exists_locally(final):
+        if exists_locally(final_record):
             raise AlreadyCommittedError(f"{final} was committed by another writer")
         remove_local_tree(final)  # remains of an interrupted delete: never listed
     os.rename(path, final)
@@ -1039,18 +1071,51 @@ def delete_local_step(root: str, path: str, doomed: str) -> None:
     """Delete the local step directory ``path`` (nothing if it is gone): renamed to ``doomed``
     first, which makes it invisible in one atomic step (``root``, their parent, is synced
     then), and removed after. Safe to run again after an interruption: a ``doomed`` directory
-    left behind is a leftover that the next manager's sweep removes."""
-    if not os.path.exists(path):
-        return
-    os.rename(path, doomed)
+    left behind is a leftover that the next manager's sweep removes. Raises only while the step
+    is there: once it is renamed, a failure to remove its files is logged (a warning), not
+    raised, for the step is deleted."""
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        if exists_locally(path):
+            raise
+        return  # (gone: deleted meanwhile by another process, a second `ckptmgr prune`)
     _fsync_dir(root)
-    remove_local_tree(doomed)
+    try:
+        remove_local_tree(doomed)
+    except OSError as exc:  # the step is deleted (no longer listed): its files are a leftover
+        log.warning(
+            "step directory %s is deleted (renamed to %s), but removing its files failed: "
+            "%s: %s; the next manager's sweep of leftovers removes them",
+            path,
+            doomed,
+            type(exc).__name__,
+            exc,
+        )
 
 
 def remove_local_tree(path: str) -> None:
-    """Remove the local directory ``path`` and everything under it; nothing if it is gone."""
-    if os.path.exists(path):
-        shutil.rmtree(path)
+    """Remove the local directory ``path`` and everything under it; nothing if it is gone,
+    or if another process removes it (or part of it) at the same time."""
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):  # what could not be removed: once more, for its error
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            if os.path.lexists(path):
+                raise
+
+
+def exists_locally(path: str) -> bool:
+    """Whether the local ``path`` exists. Unlike ``os.path.exists``, which answers False for
+    any error, only its absence is False: a path that cannot be looked at (a directory on
+    the way without permission, an I/O error) raises, so that a committed step is never taken
+    for a missing one (left out of a listing, or swept as a leftover)."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
 
 
 def _info_mtime(info: dict[str, Any]) -> float | None:
