@@ -16,11 +16,12 @@ from __future__ import annotations
 import datetime as _dt
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from pydantic import ConfigDict, Field, TypeAdapter
+from pydantic import ConfigDict, Field, TypeAdapter, model_validator
 from pydantic.dataclasses import dataclass as policy_dataclass
+from pydantic_core import ArgsKwargs
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 PositiveSeconds = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
@@ -52,7 +53,24 @@ class RetentionPolicy(Protocol):
         ...
 
 
-class _Composable:
+class NamedArguments:
+    """A base of the built-in policies (pydantic dataclasses): positional arguments are given
+    to pydantic by name, so that a refused one is named in the error (``n``, not ``0``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_positional_arguments(cls, values: Any) -> Any:
+        if not isinstance(values, ArgsKwargs) or not values.args:
+            return values
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        named = dict(zip(names, values.args, strict=False))
+        given = dict(values.kwargs or {})
+        if len(values.args) > len(names) or named.keys() & given.keys():
+            return values  # (pydantic's own error: too many, or one given twice)
+        return ArgsKwargs((), {**named, **given})
+
+
+class _Composable(NamedArguments):
     """``policy | policy`` builds an :class:`AnyOf`."""
 
     def __or__(self, other: RetentionPolicy) -> AnyOf:

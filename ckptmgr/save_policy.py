@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 from pydantic import Field, TypeAdapter
 from pydantic.dataclasses import dataclass as policy_dataclass
 
-from ckptmgr.retention import POLICY_CONFIG, PositiveInt, PositiveSeconds
+from ckptmgr.retention import POLICY_CONFIG, NamedArguments, PositiveInt, PositiveSeconds
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class SavePolicy(Protocol):
 
 
 @policy_dataclass(frozen=True, config=POLICY_CONFIG)
-class SaveEveryNSteps:
+class SaveEveryNSteps(NamedArguments):
     """Save at every step that is a multiple of ``n`` (what ``save_interval=n`` means)."""
 
     n: PositiveInt
@@ -67,7 +67,7 @@ class SaveEveryNSteps:
 
 
 @policy_dataclass(frozen=True, config=POLICY_CONFIG)
-class SaveEveryNSeconds:
+class SaveEveryNSeconds(NamedArguments):
     """Save when ``seconds`` of wall-clock time have passed since the last save started.
 
     Before the manager's first save the clock runs from the manager's creation.
@@ -82,7 +82,7 @@ class SaveEveryNSeconds:
 
 
 @policy_dataclass(frozen=True, config=POLICY_CONFIG)
-class SaveAtSteps:
+class SaveAtSteps(NamedArguments):
     """Save at the listed steps."""
 
     steps: frozenset[Annotated[int, Field(strict=True, ge=0)]]
@@ -94,7 +94,7 @@ class SaveAtSteps:
 
 
 @policy_dataclass(frozen=True, config=POLICY_CONFIG)
-class SaveFirstStep:
+class SaveFirstStep(NamedArguments):
     """Save at the first step this manager decides on, so a broken setup fails early.
 
     After a restart that restores step N, the first step decided is usually N itself, which is

@@ -616,20 +616,32 @@ def test_parse_policy_rejects_unknown_keys_and_bool_seconds(spec: Mapping[str, A
 
 
 @pytest.mark.parametrize(
-    "construct",
+    ("construct", "field"),
     [
-        pytest.param(lambda: KeepLatest(0), id="KeepLatest(0)"),
-        pytest.param(lambda: KeepLatest(True), id="KeepLatest(True)"),
-        pytest.param(lambda: KeepEveryNSteps(-10), id="KeepEveryNSteps(-10)"),
-        pytest.param(lambda: KeepEveryNSeconds(-1.0), id="KeepEveryNSeconds(-1)"),
-        pytest.param(lambda: KeepBest(0, "loss"), id="KeepBest(0)"),
-        pytest.param(lambda: KeepBest(1, "loss", "best"), id="KeepBest-mode"),  # type: ignore[arg-type]
-        pytest.param(lambda: KeepSteps(frozenset({-3})), id="KeepSteps(-3)"),
+        pytest.param(lambda: KeepLatest(0), "n", id="KeepLatest(0)"),
+        pytest.param(lambda: KeepLatest(True), "n", id="KeepLatest(True)"),
+        pytest.param(lambda: KeepEveryNSteps(-10), "n", id="KeepEveryNSteps(-10)"),
+        pytest.param(lambda: KeepEveryNSeconds(-1.0), "seconds", id="KeepEveryNSeconds(-1)"),
+        pytest.param(lambda: KeepBest(0, "loss"), "n", id="KeepBest(0)"),
+        pytest.param(lambda: KeepBest(1, ""), "metric", id="KeepBest-metric"),
+        pytest.param(lambda: KeepBest(1, "loss", "best"), "mode", id="KeepBest-mode"),  # type: ignore[arg-type]
+        pytest.param(lambda: KeepSteps(frozenset({-3})), "steps", id="KeepSteps(-3)"),
+        pytest.param(lambda: KeepLatest(n=0), "n", id="KeepLatest(n=0)"),
     ],
 )
-def test_constructors_validate(construct: Any) -> None:
-    with pytest.raises(ValidationError):
+def test_constructors_validate_and_name_the_field(construct: Any, field: str) -> None:
+    # A positional argument was named by its position ("0") in pydantic's error.
+    with pytest.raises(ValidationError) as raised:
         construct()
+    assert raised.value.errors()[0]["loc"][0] == field
+
+
+def test_constructors_refuse_an_argument_given_twice_or_one_too_many() -> None:
+    with pytest.raises(ValidationError, match="multiple values"):
+        KeepLatest(1, n=2)  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        KeepLatest(1, "keep_latest", "extra")  # type: ignore[call-arg]
+    assert KeepBest(2, "acc", "max") == KeepBest(n=2, metric="acc", mode="max")
 
 
 def test_parse_policy_passes_objects_through() -> None:

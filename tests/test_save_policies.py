@@ -427,18 +427,20 @@ def test_parse_save_policy_rejects_unknown_keys_and_bool_seconds(spec: Mapping[s
 
 
 @pytest.mark.parametrize(
-    "construct",
+    ("construct", "field"),
     [
-        pytest.param(lambda: SaveEveryNSteps(0), id="SaveEveryNSteps(0)"),
-        pytest.param(lambda: SaveEveryNSteps(False), id="SaveEveryNSteps(False)"),
-        pytest.param(lambda: SaveEveryNSeconds(0.0), id="SaveEveryNSeconds(0)"),
-        pytest.param(lambda: SaveEveryNSeconds(-1.0), id="SaveEveryNSeconds(-1)"),
-        pytest.param(lambda: SaveAtSteps(frozenset({-2})), id="SaveAtSteps(-2)"),
+        pytest.param(lambda: SaveEveryNSteps(0), "n", id="SaveEveryNSteps(0)"),
+        pytest.param(lambda: SaveEveryNSteps(False), "n", id="SaveEveryNSteps(False)"),
+        pytest.param(lambda: SaveEveryNSeconds(0.0), "seconds", id="SaveEveryNSeconds(0)"),
+        pytest.param(lambda: SaveEveryNSeconds(-1.0), "seconds", id="SaveEveryNSeconds(-1)"),
+        pytest.param(lambda: SaveAtSteps(frozenset({-2})), "steps", id="SaveAtSteps(-2)"),
     ],
 )
-def test_constructors_validate(construct: Any) -> None:
-    with pytest.raises(ValidationError):
+def test_constructors_validate_and_name_the_field(construct: Any, field: str) -> None:
+    # A positional argument was named by its position ("0") in pydantic's error.
+    with pytest.raises(ValidationError) as raised:
         construct()
+    assert raised.value.errors()[0]["loc"][0] == field
 
 
 def test_parse_save_policy_passes_objects_through() -> None:
