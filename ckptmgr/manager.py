@@ -1026,18 +1026,36 @@ class CheckpointManager:
             except Exception as exc:
                 log.error("closing the checkpoint manager: %s", exc, exc_info=exc)
                 first_error = first_error or exc
+        self._warn_of_unanswered_notice()
         self._raise_background_failure()
         if first_error is not None:
             raise first_error
 
     def _releases(self) -> list[Callable[[], None]]:
-        """What close() releases after the last save: daemon, preemption sources, lease."""
-        parts: list[Any] = [self._save_process, self._preemption]
-        releases = [self._save_plans.forget]
-        releases.extend(part.close for part in parts if part is not None)
+        """What close() releases after the last save: daemon, lease, preemption sources (last:
+        a signal that arrives meanwhile is still caught, see
+        :meth:`_warn_of_unanswered_notice`)."""
+        releases: list[Callable[[], None]] = [self._save_plans.forget]
+        if self._save_process is not None:
+            releases.append(self._save_process.close)
         if self._lease is not None:
             releases.append(self._lease.release)
+        if self._preemption is not None:
+            releases.append(self._preemption.close)
         return releases
+
+    def _warn_of_unanswered_notice(self) -> None:
+        """A preemption notice that arrived and that no checkpoint answered (during close(),
+        or after the loop's last decision) is acted on by nothing once the manager is closed:
+        said so, so that a process that goes on (and is killed later) is not a mystery."""
+        notice = self._preemption.notice if self._preemption is not None else None
+        if notice is None:
+            return
+        log.warning(
+            "a preemption notice (%s) arrived and no checkpoint answered it before the manager "
+            "closed: nothing acts on it now (the signal handlers are put back)",
+            notice.source,
+        )
 
     def __enter__(self) -> CheckpointManager:
         return self

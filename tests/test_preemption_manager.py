@@ -184,3 +184,44 @@ def test_agree_every_n_steps_agrees_once_per_step_so_save_follows_should_save(
     assert lines[0] == "should_save 2 save returned True", result.stdout
     assert "preemption steps [2]" in lines
     assert json.loads(lines[-1].removeprefix("policy steps ")) == [2, 4, 6, 8, 10]
+
+
+NOTICE_AFTER_THE_LAST_STEP_CHILD = """
+import signal, sys
+import torch
+from ckptmgr import CheckpointManager, PreemptionConfig
+
+config = PreemptionConfig(signals=["SIGTERM"], gce=False, aws=False, azure=False)
+manager = CheckpointManager(sys.argv[1], save_interval=1, preemption=config)
+answered = sys.argv[2] == "answered"
+for step in range(1, 4):
+    if answered and step == 2:
+        signal.raise_signal(signal.SIGTERM)  # a real signal, answered by step 2's save
+    manager.save_async(step, {"w": torch.full((4,), float(step))})
+if not answered:
+    signal.raise_signal(signal.SIGTERM)  # a real signal, after the loop's last decision
+manager.close()
+print("handler after close:", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
+"""
+
+
+def test_a_notice_that_no_checkpoint_answered_is_named_when_the_manager_closes(
+    ckpt_dir: Path,
+) -> None:
+    """A SIGTERM after the last step (or during close) was taken by the handler and acted on by
+    nothing, silently: the process went on, exit status 0, until the platform's SIGKILL."""
+    result = run_python(NOTICE_AFTER_THE_LAST_STEP_CHILD, str(ckpt_dir), "unanswered")
+    assert result.returncode == 0, result.stderr
+    assert "handler after close: True" in result.stdout
+    assert "a preemption notice (signal SIGTERM) arrived and no checkpoint answered it" in (
+        result.stderr
+    )
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as reader:
+        assert reader.all_steps() == [1, 2, 3]
+
+
+def test_an_answered_notice_is_not_named_when_the_manager_closes(ckpt_dir: Path) -> None:
+    result = run_python(NOTICE_AFTER_THE_LAST_STEP_CHILD, str(ckpt_dir), "answered")
+    assert result.returncode == 0, result.stderr
+    assert "preemption checkpoint of step 2 committed" in result.stderr
+    assert "no checkpoint answered it" not in result.stderr
