@@ -29,8 +29,14 @@ class FileWatcher(Watcher):
         self.path = path
         self._seen: _Identity | None = None
 
-    def probe(self, timeout: float) -> None:
+    def start(self) -> None:
+        """Note what is at ``path`` now, on the caller's thread, then start watching: a file
+        made once the manager (or monitor) is made is a notice, however late the watcher's
+        thread first looks (it took such a file for a stale one, now and then)."""
         self._seen = _identity(self.path)
+        super().start()
+
+    def probe(self, timeout: float) -> None:
         if self._seen is not None:
             log.warning(
                 "preemption trigger file %s exists already: ignored until it is touched or "
