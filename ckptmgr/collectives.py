@@ -7,10 +7,14 @@ with (or deadlock against) collectives the training loop issues on its own group
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ckptmgr.errors import CheckpointError
 
 
 class Collectives:
@@ -19,6 +23,7 @@ class Collectives:
     def __init__(self, process_group: dist.ProcessGroup | None, timeout_s: float) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = process_group
+        self.timeout_s = timeout_s
         if not self.distributed:
             if process_group is not None:
                 raise ValueError("process_group was given but torch.distributed is not initialised")
@@ -51,7 +56,8 @@ class Collectives:
             return obj
         box = [obj]
         src = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast_object_list(box, src=src, group=group)
+        with self._with_the_other_ranks("a broadcast"):
+            dist.broadcast_object_list(box, src=src, group=group)
         return box[0]
 
     def all_gather(self, obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
@@ -59,7 +65,8 @@ class Collectives:
         if not self.distributed or self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=group)
+        with self._with_the_other_ranks("an all_gather"):
+            dist.all_gather_object(out, obj, group=group)
         return out
 
     def agree(
@@ -78,6 +85,22 @@ class Collectives:
         flags[0] = int(any_flag)
         flags[1] = int(mine)
         flags[2] = int(failed)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
+        with self._with_the_other_ranks("an all_reduce"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
         agreed_any, agreed_coordinator, any_failed = flags.tolist()
         return bool(agreed_any), bool(agreed_coordinator), bool(any_failed)
+
+    @contextmanager
+    def _with_the_other_ranks(self, what: str) -> Iterator[None]:
+        """Run a collective; gloo's failure of it (a ``RuntimeError``: a rank died, or did not
+        come within ``collective_timeout_s``) as a ``CheckpointError``, the type every call of
+        the manager raises for a failed save or restore, with gloo's error as its cause."""
+        try:
+            yield
+        except RuntimeError as exc:
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            raise CheckpointError(
+                f"{what} with the other ranks failed: a rank died, or did not make the same "
+                f"call within collective_timeout_s ({self.timeout_s:g} s): "
+                f"{type(exc).__name__}: {first_line}"
+            ) from exc

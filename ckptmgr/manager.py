@@ -369,14 +369,14 @@ class CheckpointManager:
         fails; nothing is committed then. With ``preemption.exit_after_save``, the preemption
         checkpoint is followed by ``close()`` and ``SystemExit(128 + signal)``.
         """
-        request = self._request(step, state_dict, force, metrics, metadata)
+        request = self._request(step, state_dict, force, metrics, metadata, call="save")
         if request is None:
             self._exit_if_preemption_answered()
             return False
         wait_for_queued_work(request.tensors.values())  # the writer thread reads them
         if self._comm.distributed:
             try:
-                self._agree_before_write(step, None, None)
+                self._agree_before_write(step, "save", None, None)
             except BaseException:
                 self._abandon(request)
                 raise
@@ -414,7 +414,7 @@ class CheckpointManager:
         :meth:`close`. With ``preemption.exit_after_save``, the preemption save is joined, then
         the manager closes and raises ``SystemExit(128 + signal)``.
         """
-        request = self._request(step, state_dict, force, metrics, metadata)
+        request = self._request(step, state_dict, force, metrics, metadata, call="save_async")
         if request is None:
             self._exit_if_preemption_answered()
             return False
@@ -432,7 +432,7 @@ class CheckpointManager:
         try:
             if not self._comm.distributed:  # (there, the agreement in _stage reports it)
                 self._writer.raise_first_error()  # a save we waited for may just have failed
-            request.tensors = self._stage(step, buffers, request.tensors)
+            request.tensors = self._stage(step, buffers, request.tensors)  # (agreed: save_async)
             request.packed = buffers.packed
             request.staged = True
             request.release_staging = release_staging
@@ -474,18 +474,20 @@ class CheckpointManager:
             if not self._comm.distributed:
                 return staged
             fingerprint = buffers.pack_fingerprint if pack is not None and error is None else None
-            fingerprints = self._agree_before_write(step, error, fingerprint)
+            fingerprints = self._agree_before_write(step, "save_async", error, fingerprint)
             if pack is None or self._packs_agree(fingerprints):
                 return staged
             pack = None  # the ranks' packs differ: stage again, each tensor on its own
 
     def _agree_before_write(
-        self, step: int, local_error: Exception | None, fingerprint: str | None
+        self, step: int, call: str, local_error: Exception | None, fingerprint: str | None
     ) -> list[str | None]:
         """The ranks' agreement before a save writes anything (torch.distributed only; one
-        all_gather on the control group): each says whether its part is ready (else the error
-        flattening or copying it raised) and which background failures it has learned of since.
-        If any rank has either, every rank raises: its own error, else a ``CheckpointError``
+        all_gather on the control group): each says which save it makes (``step``, and
+        ``call``: ``save`` or ``save_async``, whose writes issue different collectives),
+        whether its part is ready (else the error flattening or copying it raised) and which
+        background failures it has learned of since. If the saves differ, or any rank has an
+        error or a failure, every rank raises: its own error, else a ``CheckpointError``
         naming the others'. A rank that raised alone, before this save's collectives, would
         meet its peers' collectives of this save with those of its next one. Returns the
         ranks' pack fingerprints."""
@@ -496,6 +498,7 @@ class CheckpointManager:
                     describe_error(local_error),
                     fingerprint,
                     [(self._failure_key(error), str(error)) for error in learned],
+                    (step, call),
                 ),
                 self._comm.control_group,
             )
@@ -504,8 +507,12 @@ class CheckpointManager:
                 self._writer.record_error(error)
             raise
         failures: list[str] = []
+        saves = [save for *_, save in gathered]
+        if len(set(saves)) > 1:  # a bug in the training script: fail it here, on every rank
+            made = [f"rank {r} saves step {s} with {c}()" for r, (s, c) in enumerate(saves)]
+            failures.append(f"{', '.join(made)}: every rank must make the same saves")
         new_keys: set[str] = set()
-        for rank, (error_text, _, learned_failures) in enumerate(gathered):
+        for rank, (error_text, _, learned_failures, _) in enumerate(gathered):
             if error_text is not None:
                 failures.append(f"rank {rank}: {error_text}")
             for key, text in learned_failures:
@@ -524,7 +531,7 @@ class CheckpointManager:
             raise CheckpointError(
                 f"step {step} was not saved: a rank could not save it ({'; '.join(failures)})"
             )
-        return [fp for _, fp, _ in gathered]
+        return [fp for _, fp, _, _ in gathered]
 
     def _raise_background_failure(self) -> None:
         """Raise the oldest background failure not reported yet. One that a save's agreement
@@ -565,8 +572,11 @@ class CheckpointManager:
         force: bool,
         metrics: Mapping[str, float] | None,
         metadata: Mapping[str, Any] | None,
+        *,
+        call: str,
     ) -> _SaveRequest | None:
-        """Validate, decide, and snapshot the plain values; None when nothing is to be saved."""
+        """Validate, decide, and snapshot the plain values; None when nothing is to be saved.
+        ``call``: ``save`` or ``save_async`` (what the ranks agree on, with the step)."""
         self._check_open()
         if self.config.read_only:
             raise CheckpointError(
@@ -592,7 +602,7 @@ class CheckpointManager:
             packing.check_names(flat.tensors)
         except Exception as exc:
             if self._comm.distributed and wanted:  # the other ranks fail it at the agreement
-                self._agree_before_write(step, exc, None)
+                self._agree_before_write(step, call, exc, None)
             raise
         self._schedule.started(step, time.monotonic())
         with self._lock:

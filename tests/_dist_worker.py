@@ -456,6 +456,38 @@ class RaisingOnRank1AtStep2:
         return True
 
 
+def scenario_peer_gone(rank: int, ckpt_dir: str, out_dir: str) -> dict[str, Any]:
+    """Rank 1 saves step 1 with rank 0, then its process ends (its record written first);
+    rank 0 then calls should_save, save, save_async and restore: each must fail with a
+    CheckpointError (gloo's error its cause), at once, not with gloo's bare RuntimeError."""
+    import torch
+
+    from ckptmgr import CheckpointManager
+
+    record: dict[str, Any] = {}
+    manager = CheckpointManager(
+        ckpt_dir, 1, collective_timeout_s=COLLECTIVE_TIMEOUT_S, chkpt_on_preemption=False
+    )
+    state = {"w": torch.arange(10.0)}
+    record["first"] = _call(lambda: manager.save(1, state))
+    if rank == 1:
+        record.update(gone=True, rank=rank, world_size=2)  # (what main() puts in a record)
+        target = Path(out_dir) / f"peer_gone-rank{rank}.json"
+        target.with_suffix(".tmp").write_text(json.dumps(record, default=repr))
+        target.with_suffix(".tmp").rename(target)
+        os._exit(0)  # no close, no goodbye: as a rank whose machine went away
+    for name, action in [
+        ("save", lambda: manager.save(2, state)),
+        ("save_async", lambda: manager.save_async(3, state)),
+        ("restore", lambda: manager.restore(1, {"w": torch.zeros(10)})),
+    ]:
+        started = time.monotonic()
+        record[name] = _call(action)[1]
+        record[f"{name}_seconds"] = time.monotonic() - started
+    record["close"] = _call(manager.close)[1]
+    return record
+
+
 def scenario_raising_policy(rank: int, ckpt_dir: str) -> dict[str, Any]:
     """A save policy that raises on rank 1 alone: the decision of that step must raise on both
     ranks at once (not leave rank 0 in the agreement's collective), and the ranks stay in step."""
@@ -629,6 +661,13 @@ def scenario_diverge(rank: int, ckpt_dir: str) -> dict[str, Any]:
         different = 3 if rank == 0 else 4
         record["different_steps"] = _call(lambda: manager.save(different, state_at(different)))[1]
         record["steps_after_different_steps"] = manager.all_steps()
+        started = time.monotonic()  # save on one rank, save_async on the other: their writes
+        if rank == 0:  # issue different collectives (they met in them until the timeout)
+            record["different_calls"] = _call(lambda: manager.save_async(4, state_at(4)))[1]
+        else:
+            record["different_calls"] = _call(lambda: manager.save(4, state_at(4)))[1]
+        record["different_calls_seconds"] = time.monotonic() - started
+        record["join_after_different_calls"] = _call(manager.join)[1]
         record["after"] = _call(lambda: manager.save(5, state_at(5)))
         record["steps"] = manager.all_steps()
         record["differences"] = []
@@ -1248,6 +1287,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_open_fails(rank, *paths))
         elif scenario == "late_failure":
             record.update(scenario_late_failure(rank, *paths))
+        elif scenario == "peer_gone":
+            record.update(scenario_peer_gone(rank, *paths, out_dir))
         elif scenario == "raising_policy":
             record.update(scenario_raising_policy(rank, *paths))
         elif scenario == "single":

@@ -417,10 +417,34 @@ def test_a_save_that_fails_on_one_rank_fails_on_both_and_they_stay_in_step(
         assert different is not None and different["is_checkpoint_error"], where
         assert "rank 0 saves step 3" in (different["message"] + str(different["cause"])), where
         assert record["steps_after_different_steps"] == [2], where
+        different = record["different_calls"]  # (save on one rank, save_async on the other)
+        assert different is not None and different["is_checkpoint_error"], where
+        made = "rank 0 saves step 4 with save_async(), rank 1 saves step 4 with save()"
+        assert made in different["message"], where
+        assert record["different_calls_seconds"] < COLLECTIVE_TIMEOUT_S / 3, where
+        assert record["join_after_different_calls"] is None, where
         assert record["after"] == [True, None], where
         assert record["steps"] == [2, 5], where
         assert record["differences"] == [None, None], where
         assert record["disk"] == _step_dirs([2, 5]), where
+
+
+def test_a_rank_that_is_gone_fails_the_others_calls_with_a_checkpoint_error(
+    dirs: dict[str, Path],
+) -> None:
+    """Gloo's error (the peer closed its connection) came out of save, save_async and restore
+    as a bare RuntimeError, which the documented ``except CheckpointError`` does not catch
+    (join() already raised a CheckpointError for it)."""
+    launch = _torchrun("peer_gone", dirs["out"], dirs["ckpt"].parent / "peer_gone")
+    records = launch.checked_records(NPROC)
+    assert records[1]["first"] == [True, None] and records[1]["gone"]
+    record = records[0]
+    assert record["first"] == [True, None]
+    for name in ("save", "save_async", "restore"):
+        error = record[name]
+        assert error is not None and error["is_checkpoint_error"], f"{name}: {error}"
+        assert "with the other ranks failed" in error["message"], f"{name}: {error}"
+        assert record[f"{name}_seconds"] < COLLECTIVE_TIMEOUT_S / 3, f"{name}: {record}"
 
 
 @checked_torch_only
