@@ -323,12 +323,15 @@ def plan_restore(
     rank: int = 0,
     objects_rank: int | None = None,
     saved_entries: Mapping[str, TensorEntry] | None = None,
+    object_ranks: Sequence[int] = (),
 ) -> RestorePlan:
     """Match ``state`` against a checkpoint's stored tensor names and plain values.
 
     ``saved_entries``: the stored tensors' shapes and dtypes by name (the record's tensor
     table), with which an optimizer's missing state is made from what the checkpoint holds
     rather than by a step (:meth:`ckptmgr.module_state.OptimizerState.restore_template`).
+    ``object_ranks``: the ranks whose plain values the checkpoint holds (named in the error
+    for a per-rank value this rank has no copy of).
 
     ``saved_objects`` are the plain values of ``objects_rank`` (default: ``rank``); a rank whose
     own file is missing (a job restarted with more ranks) reads rank 0's. Plain values are
@@ -349,6 +352,7 @@ def plan_restore(
     planner = _RestorePlanner(
         TrainingObjects(state), saved_names, saved_objects, rank, objects_rank, saved_entries
     )
+    planner.object_ranks = list(object_ranks)
     try:
         if type(state) is dict:
             planner.plan_items(state, "", private=False)
@@ -454,6 +458,7 @@ class _RestorePlanner:
         self.saved_objects = saved_objects
         self.rank = rank
         self.objects_rank = objects_rank
+        self.object_ranks: list[int] = []  # the ranks whose plain values the checkpoint holds
         self.plan = RestorePlan()
 
     @functools.cached_property
@@ -757,7 +762,11 @@ class _RestorePlanner:
             )
             held = f"copies for ranks {sorted(set(ranks))}" if ranks else "no tensor copies"
             if not ranks and self.objects_rank != self.rank:
-                held = f"plain values of rank {self.objects_rank} only"
+                held = (
+                    f"plain values of ranks {self.object_ranks}"
+                    if self.object_ranks
+                    else f"plain values of rank {self.objects_rank} only"
+                )
             return CheckpointError(
                 f"per-rank state {path!r} has no copy for rank {self.rank} in the checkpoint "
                 f"({held}; it was probably written by fewer ranks). Per-rank state is restored "

@@ -96,6 +96,7 @@ class StepRestorer:
                 self._comm.rank,
                 objects_rank,
                 saved_entries=table.entries,
+                object_ranks=_object_ranks(record) if objects_rank != self._comm.rank else (),
             )
             to_load, unpack = pack_load.split_for_load(
                 plan.tensors, record, None if pack_read is None else pack_read.buffer
@@ -238,6 +239,12 @@ def _storage_error_as_checkpoint_error(step: int, error: Exception) -> Exception
     failure = CheckpointError(f"restore of step {step} failed: {describe_error(error)}")
     failure.__cause__ = error
     return failure
+
+
+def _object_ranks(record: CommitRecord) -> list[int]:
+    """The ranks whose plain values ``record``'s step holds (a file of its own each)."""
+    files = set(record.object_files)
+    return [rank for rank in range(record.world_size) if objects_file_name(rank) in files]
 
 
 def _load(step: int, tensors: dict[str, torch.Tensor], reader: Any, group: Any) -> None:

@@ -350,3 +350,8 @@ def test_per_rank_plain_values_restore_only_from_the_ranks_own_file(ckpt_dir: Pa
     assert state["shared"] == {"epoch": 3}
     with pytest.raises(CheckpointError, match="per-rank state 'mine' has no copy for rank 1"):
         plan_restore({"mine": PerRank(None)}, tensors, rank0_objects, rank=1, objects_rank=0)
+    # A step saved by ranks 0 and 1, restored on rank 2: the message named rank 0 alone.
+    with pytest.raises(
+        CheckpointError, match=r"no copy for rank 2 .*plain values of ranks \[0, 1\]"
+    ):
+        plan_restore({"mine": PerRank(None)}, tensors, rank0_objects, 2, 0, object_ranks=[0, 1])
