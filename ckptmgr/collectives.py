@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptmgr.errors import CheckpointError
+from ckptmgr.errors import CheckpointError, describe_error
 
 
 class Collectives:
@@ -98,9 +98,7 @@ class Collectives:
         try:
             yield
         except RuntimeError as exc:
-            first_line = (str(exc).strip().splitlines() or [""])[0]
             raise CheckpointError(
                 f"{what} with the other ranks failed: a rank died, or did not make the same "
-                f"call within collective_timeout_s ({self.timeout_s:g} s): "
-                f"{type(exc).__name__}: {first_line}"
+                f"call within collective_timeout_s ({self.timeout_s:g} s): {describe_error(exc)}"
             ) from exc

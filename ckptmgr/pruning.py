@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ckptmgr.errors import CheckpointError
+from ckptmgr.errors import CheckpointError, describe_error
 from ckptmgr.retention import (
     CheckpointInfo,
     RetentionDecision,
@@ -116,10 +116,9 @@ def confirm_owner_before_deleting(confirm: Callable[[], None], root: str) -> Non
     except CheckpointError:
         raise
     except Exception as exc:
-        first_line = (str(exc).strip().splitlines() or [""])[0]
         raise CheckpointError(
             f"retention deleted nothing: the owner lease could not be read to confirm that "
-            f"this job still owns {root}: {type(exc).__name__}: {first_line}"
+            f"this job still owns {root}: {describe_error(exc)}"
         ) from exc
 
 
