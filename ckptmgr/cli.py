@@ -769,9 +769,14 @@ def run_prune(args: argparse.Namespace) -> int:
         "to_delete": retention_plan.doomed,
         "deleted": [],
     }
+    failure = None
     if not args.dry_run and retention_plan.doomed:
-        report["deleted"] = delete_with_progress(storage, retention_plan.doomed, delete_steps)
+        report["deleted"], failure = delete_with_progress(
+            storage, retention_plan.doomed, delete_steps
+        )
     emit(report, args.json, render_prune)
+    if failure is not None:  # (after the report of what was deleted)
+        raise failure
     return EXIT_OK
 
 
@@ -806,12 +811,20 @@ def render_prune(report: Report, out: TextIO) -> None:
     if not report["decisions"]:
         print(f"no committed steps under {report['root']}", file=out)
         return
-    dropped = "would delete" if report["dry_run"] else "deleted"
+    deleted = set(report["deleted"])
+
+    def action(row: Report) -> str:
+        if row["kept"]:
+            return "kept"
+        if report["dry_run"]:
+            return "would delete"
+        return "deleted" if row["step"] in deleted else "not deleted"
+
     rows = [
         [
             str(row["step"]),
             or_dash(row["committed_at"], format_display_time),
-            "kept" if row["kept"] else dropped,
+            action(row),
             "; ".join(row["reasons"]),
         ]
         for row in report["decisions"]
@@ -842,8 +855,12 @@ def run_rm(args: argparse.Namespace) -> int:
     for step in steps:
         if step not in committed:
             raise StepNotFoundError(step, committed)
-    deleted = delete_with_progress(storage, steps, functools.partial(delete_steps, purpose="rm"))
+    deleted, failure = delete_with_progress(
+        storage, steps, functools.partial(delete_steps, purpose="rm")
+    )
     emit({"root": storage.url, "deleted": deleted}, args.json, render_rm)
+    if failure is not None:  # (after the report of what was deleted)
+        raise failure
     return EXIT_OK
 
 
@@ -857,11 +874,22 @@ def delete_with_progress(
     storage: CheckpointStorage,
     steps: Sequence[int],
     deleter: Callable[..., None],
-) -> list[int]:
-    """Delete ``steps`` with ``deleter(storage, steps, on_deleted=...)``, showing progress."""
+) -> tuple[list[int], CheckpointError | None]:
+    """Delete ``steps`` with ``deleter(storage, steps, on_deleted=...)``, showing progress:
+    (the steps deleted, sorted; the ``CheckpointError`` naming those that could not be, or
+    None), so that the report says what was deleted before the error is raised."""
+    deleted: list[int] = []
+
+    def on_deleted(step: int) -> None:
+        deleted.append(step)
+        bar.advance(1)
+
     with progress("deleting", len(steps), format_count) as bar:
-        deleter(storage, steps, on_deleted=lambda _step: bar.advance(1))
-    return list(steps)
+        try:
+            deleter(storage, steps, on_deleted=on_deleted)
+        except CheckpointError as exc:
+            return sorted(deleted), exc
+    return sorted(deleted), None
 
 
 # -- export ----------------------------------------------------------------------------------

@@ -497,6 +497,41 @@ def test_ctrl_c_while_export_reads_the_tensors_exits_130(
     assert not output.exists()
 
 
+@pytest.mark.parametrize("command", ["rm", "prune"])
+def test_a_failed_delete_reports_what_was_deleted_then_fails(
+    source: SourceCheckpoint,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    """The report (stdout, --json too) was printed only when every delete succeeded: after a
+    failed one, nothing said which steps had been deleted."""
+    import ckptmgr.storage as storage_module
+    from ckptmgr.cli import main
+
+    root = copy_root(source, tmp_path)
+    real_rename = os.rename
+
+    def rename_refusing_step_20(source_path: Any, target: Any) -> None:
+        if os.fspath(source_path).endswith("step_000000000020"):
+            raise PermissionError(13, "Permission denied (injected)", os.fspath(source_path))
+        real_rename(source_path, target)
+
+    monkeypatch.setattr(storage_module.os, "rename", rename_refusing_step_20)
+    if command == "rm":
+        args = ["rm", str(root), "10", "20", "40", "--json"]
+    else:  # keeps 30 (the newest by commit time) and 50
+        args = ["prune", str(root), "--keep-latest", "1", "--json"]
+    assert main(args) == 1
+    output = capsys.readouterr()
+    report = json.loads(output.out)
+    assert report["deleted"] == [10, 40]
+    assert "could not delete step(s) [20]" in output.err
+    monkeypatch.undo()
+    assert committed_steps(root) == [20, 30, 50]
+
+
 def test_rm_refuses_a_missing_step_and_deletes_committed_ones(
     source: SourceCheckpoint, tmp_path: Path
 ) -> None:
