@@ -347,7 +347,7 @@ class CheckpointStorage:
         prefix = path.rstrip("/") + "/"
 
         def listing() -> dict[str, dict[str, Any]]:
-            self.fs.invalidate_cache(path)
+            self._forget_listings_under(path)
             try:
                 found = find_files(self.fs, path, likely_empty=likely_empty)
             except FileNotFoundError:
@@ -361,6 +361,22 @@ class CheckpointStorage:
             }
 
         return self.call(f"list {path}", listing)
+
+    def _forget_listings_under(self, path: str) -> None:
+        """Drop the file system's cached listings of ``path``, its parents and every directory
+        under it. s3fs fills its cache with one listing per directory while it lists a tree,
+        never replaces one already there, and answers a read of a file from it without a
+        request: a step listed while another process was writing it (its data there, its
+        record not yet) kept that listing, and its ``commit.json`` was "missing" for every
+        later read in this process, its data files too (a restore would have taken the step
+        for damaged)."""
+        self.fs.invalidate_cache(path)
+        cache = getattr(self.fs, "dircache", None)
+        if cache is None:
+            return
+        prefix = path.rstrip("/") + "/"
+        for key in [key for key in list(cache) if str(key).startswith(prefix)]:
+            cache.pop(key, None)
 
     def read_record(self, step: int) -> CommitRecord:
         """The commit record of a committed step; ``CheckpointError`` if it is unreadable."""

@@ -13,6 +13,7 @@ import logging
 import tempfile
 from pathlib import Path
 
+import fsspec
 import pytest
 from _cloud_servers import (  # noqa: F401  (the *_fixture functions are fixtures)
     FaultProxy,
@@ -120,6 +121,42 @@ with CheckpointManager({root!r}, 1, max_to_keep=3, chkpt_on_preemption=False,
     assert report["after"] == [30, 40, 50]
     assert storage.committed_steps() == [30, 40, 50]  # despite the warm listing cache
     assert storage.read_record(50).step == 50
+
+
+def test_a_step_listed_while_another_process_wrote_it_restores_once_committed(
+    server: Server, root: str
+) -> None:
+    """s3fs keeps the listing of each directory of a tree it listed, never replaces it, and
+    answers reads from it: step 2, listed here while another process was writing it, kept its
+    listing without commit.json, and every read of that record in this process failed ('gone
+    (deleted by another process?)'), even from a new manager; retention kept the step for ever.
+    """
+    options = server.storage_options()
+    commit = f"""
+import sys
+from _cloud_state import make_state
+from ckptmgr import CheckpointManager
+with CheckpointManager({root!r}, 1, chkpt_on_preemption=False,
+                       storage_options={options!r}) as mgr:
+    for step in map(int, sys.argv[1:]):
+        assert mgr.save(step, make_state(step))
+"""
+    committed = run_python(commit, "1", timeout=CHILD_TIMEOUT_S, cwd=TESTS)
+    assert committed.returncode == 0, committed.stderr[-4000:]
+    writer = fsspec.filesystem(
+        fsspec.utils.get_protocol(root), skip_instance_cache=True, **options
+    )  # another process's upload of step 2 under way: its data there, its record not yet
+    writer.pipe_file(f"{root}/step_000000000002/objects-rank00000.json", b"{}")
+    with manager(root, options, read_only=True) as reader:
+        assert reader.all_steps() == [1]
+        committed = run_python(commit, "2", timeout=CHILD_TIMEOUT_S, cwd=TESTS)
+        assert committed.returncode == 0, committed.stderr[-4000:]
+        state = blank_like(make_state(2))
+        assert reader.restore_latest(state) == 2
+        assert differences(state, make_state(2)) == []
+    with manager(root, options, max_to_keep=1) as mgr:
+        assert mgr.save(3, make_state(3))
+        assert mgr.all_steps() == [3]
 
 
 # -- what goes over the wire ----------------------------------------------------------------------
