@@ -365,8 +365,21 @@ def client_class(base: type, config: RetryConfig) -> type:
         return made
 
 
+GCS_REQUEST_TIMEOUTS = {"sock_connect": 5.0, "sock_read": 15.0}
+"""Seconds of each gcsfs request: to connect, and without a byte of the answer (s3fs' defaults
+for its requests); a request that runs out is retried like any other timeout."""
+
+
 def client_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` plus what turns a client's own retries off, unless the user set them."""
+    """``options`` plus what turns a client's own retries off, and gives gcsfs' requests a
+    timeout, unless the user set them."""
+    if is_gcs_class(cls) and options.get("requests_timeout") is None:
+        # gcsfs hands requests_timeout (None by default) to every aiohttp request, which turns
+        # aiohttp's own timeout off: a server that accepted and never answered held a listing,
+        # a save and close() for ever, whatever RetryConfig.deadline_s said.
+        import aiohttp
+
+        return {**options, "requests_timeout": aiohttp.ClientTimeout(**GCS_REQUEST_TIMEOUTS)}
     if not is_s3_class(cls):
         return dict(options)
     config_kwargs = dict(options.get("config_kwargs") or {})

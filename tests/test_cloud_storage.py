@@ -159,6 +159,42 @@ with CheckpointManager({root!r}, 1, chkpt_on_preemption=False,
         assert mgr.all_steps() == [3]
 
 
+def test_a_store_that_accepts_and_never_answers_fails_the_listing_in_bounded_time(
+    server: Server, root: str, proxy: FaultProxy
+) -> None:
+    """gcsfs handed its requests_timeout (None by default) to aiohttp, which turns aiohttp's own
+    timeout off: a listing held by a server that never answered waited for ever (6 minutes
+    and on), and RetryConfig's deadline could not end it. s3fs is bounded by botocore's."""
+    import threading
+
+    from ckptmgr import RetryConfig
+
+    storage = CheckpointStorage(
+        root,
+        server.storage_options(proxy.url),
+        RetryConfig(deadline_s=1.0, max_backoff_s=0.5),
+        create=False,
+    )
+    outcome: list[BaseException | None] = []
+
+    def list_steps() -> None:
+        try:
+            storage.committed_steps()
+            outcome.append(None)
+        except BaseException as exc:  # (whatever it is: recorded for the assertion)
+            outcome.append(exc)
+
+    proxy.hold(lambda method, path: True)
+    try:
+        lister = threading.Thread(target=list_steps, daemon=True)
+        lister.start()
+        lister.join(90.0)  # 15 s without a byte of the answer, then the deadline: no retry
+        assert not lister.is_alive(), "the listing still waits for a server that never answers"
+    finally:
+        proxy.release(drop=True)
+    assert len(outcome) == 1 and isinstance(outcome[0], (OSError, TimeoutError)), outcome
+
+
 # -- what goes over the wire ----------------------------------------------------------------------
 def test_listing_costs_the_same_few_requests_for_2_and_for_8_steps(
     server: Server, root: str, proxy: FaultProxy
