@@ -623,6 +623,7 @@ class CheckpointManager:
         comm, storage, group = self._comm, self._storage, self._comm.background_group
         step = request.step
         prepared: tuple[str, str | None, int] = ("", None, step)
+        cause: Exception | None = None  # (rank 0's: the others get its description)
         if comm.is_coordinator:
             save_id = uuid.uuid4().hex[:16]
             try:
@@ -632,11 +633,12 @@ class CheckpointManager:
                 prepared = (save_id, None, step)
             except Exception as exc:
                 prepared = (save_id, f"{type(exc).__name__}: {exc}", step)
+                cause = exc
         save_id, prepare_error, coordinator_step = comm.broadcast(prepared, group)
         if prepare_error is not None:
             error = CheckpointError(f"could not prepare step {step}: {prepare_error}")
             error.failure_key = f"save {save_id}"  # type: ignore[attr-defined]  # every rank's
-            raise error
+            raise error from cause
         write_dir = storage.write_dir(coordinator_step, save_id)
 
         local_error: BaseException | None = None

@@ -175,3 +175,20 @@ def test_a_permanent_403_fails_fast_lists_nothing_and_keeps_earlier_steps(
     assert storage.committed_steps() == [1]
     with manager(root, options) as mgr:
         assert mgr.all_steps() == [1]
+
+
+def test_a_save_refused_at_its_first_request_carries_the_stores_error(
+    server: Server, root: str, proxy: FaultProxy
+) -> None:
+    """Revoked credentials: every request answered 403. The save failed while preparing its
+    directory, and its CheckpointError had no __cause__ (rank 0's error was sent to the ranks
+    as text, and raised as such), unlike failures later in the save."""
+    options = server.storage_options(proxy.url)
+    with manager(root, options) as mgr:
+        assert mgr.save(1, make_state(1))
+        proxy.set_faults(permanent="403")
+        with pytest.raises(CheckpointError, match=r"could not prepare step 2") as failure:
+            mgr.save(2, make_state(2))
+        assert isinstance(failure.value.__cause__, OSError), repr(failure.value.__cause__)
+        proxy.set_faults()
+        assert mgr.all_steps() == [1]
