@@ -309,7 +309,10 @@ def _split_by_group(
     names: ModuleNames, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
 ) -> dict[str, Any] | None:
     """What DCP's ``set_optimizer_state_dict`` hands ``optimizer.load_state_dict``, where it
-    would only map names (:func:`load_optimizer_state_dict`); None elsewhere."""
+    would only map names (:func:`load_optimizer_state_dict`); None elsewhere. Unlike DCP, the
+    saved state of a parameter that does not require grad now (frozen after the save, or
+    before it and after its state was made) is kept: DCP left it out, and the state of a
+    layer frozen for a while was lost (its moments started afresh once it was unfrozen)."""
     if not optimizer.state and not loads_with_torchs_load(optimizer):
         # DCP would create the state by taking a step, which torch's own load then replaces
         # with the loaded state whole: only that load may be called without the step
@@ -330,8 +333,8 @@ def _split_by_group(
         own = [next(by_position) for _ in group["params"]]
         if not own or None in own or not isinstance(saved, dict) or saved.get("params") != own:
             return None  # (DCP matches groups by the names they hold; an empty one specially)
-        for name, param in zip(own, group["params"], strict=True):
-            if param.requires_grad and name in saved_state:
+        for name in own:  # (a frozen parameter's state too: DCP drops it, see the docstring)
+            if name in saved_state:
                 state[name] = saved_state[name]
         split_groups.append({"params": own, **{k: v for k, v in saved.items() if k != "params"}})
     return {"state": state, "param_groups": split_groups}

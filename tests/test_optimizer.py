@@ -476,3 +476,44 @@ def test_a_parameter_whose_saved_state_holds_more_than_tensors_gets_its_state_by
         for key in ("step", "exp_avg", "exp_avg_sq"):
             got = target_optimizer.state[target_param][key]
             assert torch.equal(got, saved_optimizer.state[saved_param][key]), key
+
+
+@pytest.mark.parametrize("make_optimizer", [adamw, sgd_momentum], ids=["adamw", "sgd"])
+def test_the_state_of_a_frozen_parameter_is_restored(
+    ckpt_dir: Path, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+) -> None:
+    """A layer frozen (requires_grad=False) after its state was made, for staged fine-tuning:
+    its saved state was left out of the restore (as DCP's set_optimizer_state_dict does), so
+    the resumed run's moments started afresh once the layer was unfrozen."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        return model, make_optimizer(list(model.parameters()))
+
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(8, 4, generator=generator)).pow(2).mean().backward()
+            optimizer.step()
+
+    model, optimizer = build()
+    train(model, optimizer, 3, seed=1)
+    model[0].weight.requires_grad_(False)
+    train(model, optimizer, 2, seed=2)
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as manager:
+        assert manager.save(5, {"model": model, "optim": optimizer})
+        resumed_model, resumed_optimizer = build()
+        resumed_model[0].weight.requires_grad_(False)
+        manager.restore(5, {"model": resumed_model, "optim": resumed_optimizer})
+    frozen = resumed_optimizer.state[resumed_model[0].weight]
+    expected = optimizer.state[model[0].weight]
+    assert sorted(frozen) == sorted(expected)
+    assert all(torch.equal(frozen[key], expected[key]) for key in expected)
+    for run_model, run_optimizer in ((model, optimizer), (resumed_model, resumed_optimizer)):
+        run_model[0].weight.requires_grad_(True)  # unfrozen: its moments go on from the save
+        train(run_model, run_optimizer, 2, seed=3)
+    resumed_params = dict(resumed_model.named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param, resumed_params[name]), name
