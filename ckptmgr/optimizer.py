@@ -6,6 +6,8 @@ from collections.abc import Collection
 
 import torch
 
+from ckptmgr.errors import CheckpointError
+
 
 def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Create the optimizer's per-parameter state by taking one step with zero gradients.
@@ -23,9 +25,24 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         for param in group["params"]:
             if param.requires_grad:
                 param.grad = torch.zeros_like(param)
-    optimizer.step()
+    _step(optimizer)
     optimizer.zero_grad(set_to_none=True)
     return optimizer
+
+
+def _step(optimizer: torch.optim.Optimizer) -> None:
+    """One ``optimizer.step()``; ``CheckpointError`` for an optimizer whose step needs a
+    closure (``LBFGS``), whose state cannot be made that way (nor restored in place: its
+    history is lists of a length that changes from step to step)."""
+    try:
+        optimizer.step()
+    except TypeError as exc:
+        if "closure" not in str(exc):
+            raise
+        raise CheckpointError(
+            f"the state of {type(optimizer).__name__} cannot be made for a restore: its step() "
+            f"needs a closure ({exc}); ckptmgr restores optimizers whose step() takes none"
+        ) from exc
 
 
 def create_state(
@@ -61,7 +78,7 @@ def create_state(
                 group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
         if creating:
             with torch.no_grad():
-                optimizer.step()
+                _step(optimizer)
     finally:
         for group, lr in rates:
             group["lr"] = lr

@@ -517,3 +517,28 @@ def test_the_state_of_a_frozen_parameter_is_restored(
     resumed_params = dict(resumed_model.named_parameters())
     for name, param in model.named_parameters():
         assert torch.equal(param, resumed_params[name]), name
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_clearly(ckpt_dir: Path) -> None:
+    """LBFGS: making its state (a step) raised torch's TypeError ('missing 1 required
+    positional argument: closure') out of restore and prime_optimizer."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.LBFGS(model.parameters(), history_size=3)
+    data = torch.randn(8, 4)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(data).pow(2).mean()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as manager:
+        assert manager.save(1, {"model": model, "optim": optimizer})
+        fresh_model = nn.Linear(4, 1)
+        fresh = torch.optim.LBFGS(fresh_model.parameters(), history_size=3)
+        with pytest.raises(CheckpointError, match=r"LBFGS cannot be made .* needs a closure"):
+            manager.restore(1, {"model": fresh_model, "optim": fresh})
+    with pytest.raises(CheckpointError, match=r"LBFGS cannot be made .* needs a closure"):
+        prime_optimizer(torch.optim.LBFGS(nn.Linear(4, 1).parameters()))
