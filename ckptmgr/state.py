@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -144,13 +145,19 @@ def flatten(state: Mapping[str, Any], rank: int = 0) -> FlatState:
     if not isinstance(state, Mapping):
         raise CheckpointError(f"state_dict must be a dict, got {type(state).__qualname__}")
     flattener = _Flattener(TrainingObjects(state, saving=True), rank)
-    if type(state) is dict and flattener.add_tensors(state, "", private=False):
-        return flattener.flat
-    for key, value in state.items():
-        if type(value) in _TENSOR_TYPES:  # the most common item, without a call of visit()
-            flattener._add_tensor(value, join_path("", key), private=False)
-        else:
-            flattener.visit(value, join_path("", key), private=False)
+    try:
+        if type(state) is dict and flattener.add_tensors(state, "", private=False):
+            return flattener.flat
+        for key, value in state.items():
+            if type(value) in _TENSOR_TYPES:  # the most common item, without a call of visit()
+                flattener._add_tensor(value, join_path("", key), private=False)
+            else:
+                flattener.visit(value, join_path("", key), private=False)
+    except RecursionError:  # (no look for cycles on every save: the walk's own depth limit)
+        raise CheckpointError(
+            "the state cannot be saved: a list or dict in it holds itself, or it is nested "
+            f"deeper than Python's recursion limit ({sys.getrecursionlimit()})"
+        ) from None
     return flattener.flat
 
 

@@ -864,3 +864,19 @@ def test_ctrl_c_during_a_restore_is_a_keyboard_interrupt(tmp_path: Path) -> None
     result = run_python(INTERRUPTED_RESTORE, str(tmp_path / "ckpts"))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["KeyboardInterrupt", "True"], result.stdout
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_a_container_that_holds_itself_is_refused_clearly(tmp_path: Path, container: str) -> None:
+    # The walk of the state ended in Python's RecursionError, out of save and save_async.
+    looped: Any = [] if container == "list" else {}
+    if isinstance(looped, list):
+        looped.append(looped)
+    else:
+        looped["again"] = looped
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as manager:
+        for save in (manager.save, manager.save_async):
+            with pytest.raises(CheckpointError, match="holds itself"):
+                save(1, {"w": torch.ones(2), "looped": looped})
+        assert manager.save(2, {"w": torch.ones(2)})
+        assert manager.all_steps() == [2]
