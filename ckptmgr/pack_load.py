@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol, cast
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ckptmgr.dtypes import dtype_named
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
@@ -119,14 +120,18 @@ def split_for_load(
         check_none_on_meta(destinations)
         return dict(destinations), unpack_nothing
     dtypes: dict[str, _StoredDtype] = {}
-    direct = _direct_runs(destinations, table, dtypes)
-    if direct is not None:
-        later: list[_Later] = []
-        to_load, runs, wanted_bytes, wanted_count = direct
-    else:
-        to_load, runs, later, wanted_bytes, wanted_count = _matched_runs(
-            destinations, table, dtypes
-        )
+    try:
+        direct = _direct_runs(destinations, table, dtypes)
+        if direct is not None:
+            later: list[_Later] = []
+            to_load, runs, wanted_bytes, wanted_count = direct
+        else:
+            to_load, runs, later, wanted_bytes, wanted_count = _matched_runs(
+                destinations, table, dtypes
+            )
+    except RuntimeError as exc:  # (looked for only then: no cost to a restore that works)
+        _refuse_uninitialized(destinations, exc)
+        raise
     # A destination on the meta device holds no data (a copy into it does nothing): the ones
     # loaded on their own are looked at, and of the packed ones those of a run on a device
     # other than the CPU (one look per run) or copied to later.
@@ -144,6 +149,21 @@ def split_for_load(
         buffer = torch.empty(size, dtype=torch.uint8)
     to_load[PACK_KEY] = buffer
     return to_load, functools.partial(_unpack, buffer, runs, later, destinations)
+
+
+def _refuse_uninitialized(destinations: Mapping[str, torch.Tensor], error: RuntimeError) -> None:
+    """Raise ``CheckpointError`` naming the first of ``destinations`` that is an uninitialized
+    parameter or buffer of a lazy module (``nn.LazyLinear`` before its first forward pass),
+    whose shape torch refused to tell (``error``); nothing if there is none."""
+    name = next(
+        (name for name, dest in destinations.items() if is_lazy(dest)),
+        None,
+    )
+    if name is not None:
+        raise CheckpointError(
+            f"cannot restore into {name!r}: it is an uninitialized parameter of a lazy module "
+            "(nn.LazyLinear, say), whose shape is not known yet; run one forward pass first"
+        ) from error
 
 
 _DTYPE = operator.attrgetter("dtype")

@@ -880,3 +880,21 @@ def test_a_container_that_holds_itself_is_refused_clearly(tmp_path: Path, contai
                 save(1, {"w": torch.ones(2), "looped": looped})
         assert manager.save(2, {"w": torch.ones(2)})
         assert manager.all_steps() == [2]
+
+
+def test_a_restore_into_a_lazy_module_not_run_yet_is_refused_clearly(tmp_path: Path) -> None:
+    # Its parameters are uninitialized: torch's RuntimeError ("Can't access the shape of an
+    # uninitialized parameter") came out of restore, where a CheckpointError is promised.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(3), nn.Tanh(), nn.Linear(3, 1))
+    model(torch.ones(2, 4))
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as manager:
+        assert manager.save(1, {"model": model})
+        fresh = nn.Sequential(nn.LazyLinear(3), nn.Tanh(), nn.Linear(3, 1))
+        with pytest.raises(CheckpointError, match=r"'model/0\.weight'.*run one forward pass"):
+            manager.restore(1, {"model": fresh})
+        fresh(torch.zeros(2, 4))  # as the message says
+        manager.restore(1, {"model": fresh})
+    assert all(
+        torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True)
+    )
