@@ -472,9 +472,7 @@ def scenario_peer_gone(rank: int, ckpt_dir: str, out_dir: str) -> dict[str, Any]
     record["first"] = _call(lambda: manager.save(1, state))
     if rank == 1:
         record.update(gone=True, rank=rank, world_size=2)  # (what main() puts in a record)
-        target = Path(out_dir) / f"peer_gone-rank{rank}.json"
-        target.with_suffix(".tmp").write_text(json.dumps(record, default=repr))
-        target.with_suffix(".tmp").rename(target)
+        _write_record(out_dir, "peer_gone", rank, record)
         os._exit(0)  # no close, no goodbye: as a rank whose machine went away
     for name, action in [
         ("save", lambda: manager.save(2, state)),
@@ -1245,6 +1243,14 @@ def scenario_single(ckpt_dir: str) -> dict[str, Any]:
     return record
 
 
+def _write_record(out_dir: str, scenario: str, rank: int, record: dict[str, Any]) -> None:
+    """This rank's record, where the test reads it (written whole: renamed into place)."""
+    target = Path(out_dir) / f"{scenario}-rank{rank}.json"
+    temporary = target.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record, indent=1, default=repr))
+    temporary.rename(target)
+
+
 def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
@@ -1297,10 +1303,7 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"unknown scenario {scenario!r}")
     except Exception:
         record["crash"] = traceback.format_exc()
-    target = Path(out_dir) / f"{scenario}-rank{rank}.json"
-    temporary = target.with_suffix(".tmp")
-    temporary.write_text(json.dumps(record, indent=1, default=repr))
-    temporary.rename(target)
+    _write_record(out_dir, scenario, rank, record)
     if distributed:
         dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
