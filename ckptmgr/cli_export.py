@@ -16,12 +16,13 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ckptmgr import objects
 from ckptmgr.cli_output import Report, format_bytes, one_line, plural, progress
-from ckptmgr.dcp_io import TensorOnlyLoadPlanner, load_tensors, make_reader, original_error
-from ckptmgr.errors import CheckpointError, CorruptCheckpointError, describe_error
+from ckptmgr.dcp_io import TensorOnlyLoadPlanner, make_reader
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError
 from ckptmgr.integrity import expected_files
 from ckptmgr.packing import PACK_KEY, placed_in_record, unpacked
 from ckptmgr.record import CommitRecord, is_raw
 from ckptmgr.state import split_rank_private
+from ckptmgr.step_restore import load_step
 from ckptmgr.storage import CheckpointStorage, objects_file_name
 
 ESCAPED_KEY_CHAR = re.compile(r"%2F|%25")
@@ -72,7 +73,7 @@ def export_state(storage: CheckpointStorage, record: CommitRecord, rank: int) ->
     exported.tensor_bytes = sum(t.numel() * t.element_size() for t in buffers.values())
     with progress("reading", exported.tensor_bytes, format_bytes) as bar:
         planner = ProgressLoadPlanner(on_loaded=bar.advance)
-        load_step_tensors(buffers, new_reader(storage, record), record.step, planner)
+        load_step(record.step, buffers, new_reader(storage, record), None, planner, what="export")
     if placed:
         buffers.update(unpacked(buffers.pop(PACK_KEY), placed))
     tree = NestedState()
@@ -84,22 +85,6 @@ def export_state(storage: CheckpointStorage, record: CommitRecord, rank: int) ->
     exported.state = tree.root
     exported.plain_value_count = len(plain_values)
     return exported
-
-
-def load_step_tensors(
-    buffers: dict[str, torch.Tensor], reader: Any, step: int, planner: TensorOnlyLoadPlanner
-) -> None:
-    """Read one step's tensors into ``buffers``; a failure (DCP's ``CheckpointException``, a
-    ``BaseException`` holding every failure's traceback) as ckptmgr's one-line errors:
-    ``CorruptCheckpointError`` for damage, ``CheckpointError`` for the rest (a file that cannot
-    be read). Ctrl-C stays a ``KeyboardInterrupt``."""
-    try:
-        load_tensors(buffers, reader, None, planner)
-    except (KeyboardInterrupt, SystemExit, CheckpointError):
-        raise
-    except BaseException as exc:
-        cause = describe_error(original_error(exc))
-        raise CheckpointError(f"reading the tensors of step {step} failed: {cause}") from exc
 
 
 def new_reader(storage: CheckpointStorage, record: CommitRecord) -> Any:

@@ -129,7 +129,7 @@ class StepRestorer:
                 # the devices after the load, a failed one too (its copies must not land after
                 # restore raised), whose own error is then the one raised.
                 try:
-                    _load(step, to_load, reader, group)
+                    load_step(step, to_load, reader, group)
                 except BaseException:
                     try:
                         wait_for_devices(to_load.values())
@@ -178,7 +178,7 @@ class StepRestorer:
                 return
         except pack_load.PackReadStopped:
             pack_read.wait()  # (it has ended: the buffer is no longer written)
-        _load(step, pack, reader, None)
+        load_step(step, pack, reader, None)
         unpack()
 
     def _read_pack_ahead(
@@ -247,16 +247,26 @@ def _object_ranks(record: CommitRecord) -> list[int]:
     return [rank for rank in range(record.world_size) if objects_file_name(rank) in files]
 
 
-def _load(step: int, tensors: dict[str, torch.Tensor], reader: Any, group: Any) -> None:
-    """DCP's load of ``tensors``, its failures as ``CheckpointError`` (damage: corrupt)."""
+def load_step(
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    reader: Any,
+    group: Any,
+    planner: dcp_io.TensorOnlyLoadPlanner | None = None,
+    *,
+    what: str = "restore",
+) -> None:
+    """DCP's load of ``tensors`` (with ``planner``, see :func:`dcp_io.load_tensors`), its
+    failures as one-line ``CheckpointError``s saying ``what`` of ``step`` failed (damage:
+    ``CorruptCheckpointError``); Ctrl-C stays a ``KeyboardInterrupt``."""
     try:
-        dcp_io.load_tensors(tensors, reader, group)
+        dcp_io.load_tensors(tensors, reader, group, planner)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # CheckpointException is a BaseException
         if isinstance(exc, CorruptCheckpointError):
             raise CorruptCheckpointError(
-                f"restore of step {step} failed: {exc}", path=exc.path, step=step
+                f"{what} of step {step} failed: {exc}", path=exc.path, step=step
             ) from exc
         cause = describe_error(dcp_io.original_error(exc))  # (not every rank's traceback)
-        raise CheckpointError(f"restore of step {step} failed: {cause}") from exc
+        raise CheckpointError(f"{what} of step {step} failed: {cause}") from exc

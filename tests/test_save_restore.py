@@ -754,7 +754,7 @@ def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
     import ckptmgr.step_restore as step_restore
 
     events: list[tuple[str, int]] = []
-    real_load = step_restore._load
+    real_load = step_restore.load_step
 
     def noting_wait(tensors: Any) -> None:
         events.append(("wait", len(list(tensors))))
@@ -768,7 +768,7 @@ def test_restore_waits_for_the_devices_before_writing_and_after_the_load(
         real_load(step, tensors, *args)
 
     monkeypatch.setattr(step_restore, "wait_for_devices", noting_wait)
-    monkeypatch.setattr(step_restore, "_load", noting_load)
+    monkeypatch.setattr(step_restore, "load_step", noting_load)
     state = {f"small/{i}": torch.rand(8) for i in range(10)} | {"big": torch.rand(100_000)}
     with manager(tmp_path, save_interval=1) as mgr:
         assert mgr.save(1, state)
