@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ckptmgr import dcp_io, packing, pruning, retention
 from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter, FailureHandover, result_of
+from ckptmgr.bootstrap_guard import refuse_while_bootstrapping
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
 from ckptmgr.daemon_commit import DaemonCommit, DaemonCommitResult, DaemonRetention
@@ -163,6 +164,7 @@ class CheckpointManager:
         return manager
 
     def _start(self, config: CheckpointConfig) -> None:
+        refuse_while_bootstrapping()  # before the root is touched
         self.config = config
         self._closed = True  # until fully started, so close() in error paths does nothing
         self._comm = Collectives(config.process_group, config.collective_timeout_s)

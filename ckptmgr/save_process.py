@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
+from ckptmgr.bootstrap_guard import ENTRY_POINT_HINT
 from ckptmgr.errors import CheckpointError
 from ckptmgr.niceness import background_niceness, set_background_niceness
 from ckptmgr.staging import shared_arenas
@@ -124,6 +125,15 @@ if _AsyncCheckpointProcess is not None:
         torch's default of 30 minutes; asked to stop, it ends without the interpreter's
         finalization (:func:`_end_daemon_without_finalizing`)."""
 
+        def __init__(self, pg_init_info: Any) -> None:
+            try:
+                super().__init__(pg_init_info)
+            except RuntimeError as exc:  # DCP's "Checkpoint background process is dead"
+                process = getattr(self, "_save_process", None)
+                if process is None or not isinstance(exc.__context__, EOFError):
+                    raise
+                raise _ended_at_start(process) from exc
+
         @staticmethod
         def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
             niceness = getattr(pg_init_info, "ckptmgr_niceness", None)
@@ -152,6 +162,17 @@ if _AsyncCheckpointProcess is not None:
                 pg_init_info, _CallServingConnection(parent_conn)
             )
             _end_daemon_without_finalizing()
+
+
+def _ended_at_start(process: multiprocessing.process.BaseProcess) -> CheckpointError:
+    """The error for a daemon that closed its pipe before it was ready: its exit awaited (on
+    its sentinel, without reaping it) for its exit code."""
+    multiprocessing.connection.wait([process.sentinel], timeout=_EXIT_WAIT_S)
+    return CheckpointError(
+        f"the checkpoint daemon process (pid {process.pid}) ended before it was ready, exit code "
+        f"{process.exitcode}; what it raised is on its standard error. If the main script makes "
+        f"the manager at its top level, {ENTRY_POINT_HINT}"
+    )
 
 
 def _end_daemon_without_finalizing() -> NoReturn:

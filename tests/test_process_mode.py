@@ -820,6 +820,26 @@ def test_an_arena_view_pickles_as_its_place_in_the_arena() -> None:
         save_process._DAEMON_ARENAS.pop(token, None)
 
 
+def run_script(directory: Path, text: str, *args: str) -> tuple[int, str, str]:
+    """Run ``text`` as a script (its own file in ``directory``) in a fresh interpreter: its
+    exit status, standard output and standard error (killed after 90 s)."""
+    script = directory / f"script_{uuid.uuid4().hex[:8]}.py"
+    script.write_text(text)
+    process = subprocess.Popen(
+        [sys.executable, str(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    try:
+        out, err = process.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+    return process.returncode, out, err
+
+
 EXIT_WITHOUT_CLOSE_CHILD = r"""
 import os, sys, torch
 from ckptmgr import CheckpointManager
@@ -848,21 +868,8 @@ def test_a_program_that_ends_without_close_exits_and_stops_its_daemon(
     """Without close(), exit waits for the queued saves, then stops the daemon. It waited
     forever: multiprocessing's exit sends SIGTERM to daemonic children, which the daemon
     ignores, and waits for them, while the daemon waits on a pipe the manager still held."""
-    script = tmp_path / "exit_without_close.py"
-    script.write_text(EXIT_WITHOUT_CLOSE_CHILD)
     root = tmp_path / "ckpts"
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(root), mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-    )
-    try:
-        out, err = process.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, err = process.communicate()
+    returncode, out, err = run_script(tmp_path, EXIT_WITHOUT_CLOSE_CHILD, str(root), mode)
     daemons = [int(line.split()[1]) for line in out.splitlines() if line.startswith("daemon ")]
     alive = []
     for pid in daemons:  # never leave one behind, whatever happened
@@ -871,10 +878,53 @@ def test_a_program_that_ends_without_close_exits_and_stops_its_daemon(
             alive.append(pid)
         except ProcessLookupError:
             pass
-    assert process.returncode == (1 if mode == "raise" else 0), out + err
+    assert returncode == (1 if mode == "raise" else 0), out + err
     assert daemons and not alive, f"daemons {daemons}, still alive at exit: {alive}"
     with CheckpointManager(root, 1, chkpt_on_preemption=False, read_only=True) as reader:
         assert reader.all_steps() == ([1, 2] if mode == "pending" else [1])
+
+
+UNGUARDED_SCRIPT = r"""
+import sys, torch
+from ckptmgr import CheckpointManager
+
+mgr = CheckpointManager(sys.argv[1], 1, async_mode="process", chkpt_on_preemption=False)
+try:
+    mgr.save_async(1, {"w": torch.ones(10)})
+    mgr.join()
+except Exception as exc:
+    print("save raised", type(exc).__name__, exc, flush=True)
+mgr.close()
+print("listed", mgr.all_steps(), flush=True)
+"""
+
+
+def test_a_script_without_a_main_guard_fails_its_save_saying_so(tmp_path: Path) -> None:
+    """The daemon is spawned: it imports the main script again, and an unguarded one makes a
+    second manager there. That manager is refused before it touches the root (it competed for
+    the owner lease: LeaseHeldError), and the save says why the daemon ended (it said "Checkpoint
+    background process is dead. Exit code: None")."""
+    root = tmp_path / "ckpts"
+    returncode, out, err = run_script(tmp_path, UNGUARDED_SCRIPT, str(root))
+    assert returncode == 0, out + err
+    guard = 'guard the script\'s entry point with `if __name__ == "__main__":`'
+    assert "save raised CheckpointError" in out and "ended before it was ready" in out, out + err
+    assert guard in out, out
+    assert "a CheckpointManager is being made while this process is started" in err, err
+    assert "LeaseHeld" not in err, err
+    assert "listed []" in out, out
+
+
+def test_no_manager_is_made_while_multiprocessing_starts_this_process(tmp_path: Path) -> None:
+    """What a spawned child sees while it imports the main module: refused, nothing made."""
+    process = multiprocessing.process.current_process()
+    process._inheriting = True  # type: ignore[attr-defined]  # as spawn's _main sets it
+    try:
+        with pytest.raises(CheckpointError, match="guard the script's entry point"):
+            CheckpointManager(tmp_path / "ckpts", 1, chkpt_on_preemption=False)
+    finally:
+        del process._inheriting  # type: ignore[attr-defined]
+    assert not (tmp_path / "ckpts").exists()
 
 
 # -- file work between saves runs in the daemon ---------------------------------------------------
