@@ -60,6 +60,7 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ckptmgr.errors import CheckpointError
+from ckptmgr.local_files import read_regular_file
 from ckptmgr.retry import http_status, is_s3_class
 
 try:
@@ -671,14 +672,7 @@ def _read_file(fs: AbstractFileSystem, path: str) -> bytes:
         if is_s3_class(type(fs)):
             return _read_s3_file(fs, path)
         return bytes(fs.cat_file(path))
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks)
+    return read_regular_file(path)  # (a FIFO or a device there: refused, not waited on)
 
 
 def _read_s3_file(fs: AbstractFileSystem, path: str) -> bytes:

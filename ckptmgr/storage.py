@@ -25,6 +25,7 @@ written by another process is seen at once.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import inspect
 import json
 import logging
@@ -54,6 +55,7 @@ from ckptmgr.integrity import (
     expected_files,
     raise_problems,
 )
+from ckptmgr.local_files import NotRegularFileError, read_regular_file, walk_files
 from ckptmgr.record import (
     QUARANTINE_NAME,
     RECORD_NAME,
@@ -77,12 +79,15 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_STEP_DIR = r"step_(\d{12,})"  # a step directory's name; the group is its step
-STEP_DIR_PATTERN = re.compile(f"^{_STEP_DIR}$")
+_STEP_DIR = r"step_([0-9]{12,})"
+"""A step directory's name, matched whole (ASCII digits: ``\\d`` matches any script's); the
+group is its step. :func:`step_of_match` also checks that it is the name its step's directory
+has (``step_0000000000005``, with a zero too many, is no step directory)."""
+STEP_DIR_PATTERN = re.compile(_STEP_DIR)
 _RECORD_IN_STEP_DIR = re.compile(f"{_STEP_DIR}/{re.escape(RECORD_NAME)}")
 _MARKER_IN_STEP_DIR = re.compile(f"{_STEP_DIR}/{re.escape(QUARANTINE_NAME)}")
 """A step directory's record and quarantine marker, as a path relative to the root."""
-QUARANTINED_ASIDE_PATTERN = re.compile(rf"^{_STEP_DIR}\.quarantined-(\d+)$")
+QUARANTINED_ASIDE_PATTERN = re.compile(rf"{_STEP_DIR}\.quarantined-([0-9]+)")
 TMP_PREFIX = ".tmp-"
 DELETING_PREFIX = ".deleting-"
 OBJECT_STORE_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "oss"})
@@ -97,8 +102,18 @@ def step_dir_name(step: int) -> str:
 
 def parse_step_dir_name(name: str) -> int | None:
     """The step of a step directory name, or None for any other name."""
-    match = STEP_DIR_PATTERN.match(name)
-    return int(match.group(1)) if match else None
+    return step_of_match(STEP_DIR_PATTERN.fullmatch(name))
+
+
+def step_of_match(match: re.Match[str] | None) -> int | None:
+    """The step of a full match of a pattern that starts with a step directory's name (its
+    first group), or None where there is none or the name is not the step's own."""
+    if match is None:
+        return None
+    digits = match.group(1)
+    if len(digits) > 12 and digits.startswith("0"):
+        return None  # another spelling of a step whose directory has another name
+    return int(digits)
 
 
 def objects_file_name(rank: int) -> str:
@@ -392,7 +407,13 @@ class CheckpointStorage:
         path = f"{step_path}/{RECORD_NAME}"
         try:
             record = CommitRecord.from_json(self._read_bytes(path))
-        except FileNotFoundError as exc:
+        except OSError as exc:
+            if self.is_local and _is_no_record(exc, path):
+                raise CorruptCheckpointError(
+                    f"commit record {path} is damaged: {exc}", path=RECORD_NAME, step=step
+                ) from exc
+            if not isinstance(exc, FileNotFoundError):
+                raise
             raise CheckpointError(
                 f"commit record {path} is gone (deleted by another process?)"
             ) from exc
@@ -461,15 +482,14 @@ class CheckpointStorage:
         """Every file under the step directory ``step_path`` -> its size, listed fresh."""
         if self.is_local:
             sizes = {}
-            for dirpath, _, files in os.walk(step_path):
-                for name in files:
-                    full = os.path.join(dirpath, name)
-                    try:
-                        sizes[os.path.relpath(full, step_path).replace(os.sep, "/")] = (
-                            os.path.getsize(full)
-                        )
-                    except FileNotFoundError:
-                        continue
+            for full in walk_files(step_path):
+                try:
+                    size = os.path.getsize(full)
+                except OSError as exc:  # gone, a dangling link, a link loop: no file here
+                    if not _leads_nowhere(exc):
+                        raise
+                    continue
+                sizes[os.path.relpath(full, step_path).replace(os.sep, "/")] = size
             return sizes
         return {name: int(info.get("size") or 0) for name, info in self._find(step_path).items()}
 
@@ -530,6 +550,17 @@ class CheckpointStorage:
             "reason": reason[:4000],
             "quarantined_at": utc_now().isoformat().replace("+00:00", "Z"),
         }
+        if self.is_local and os.path.islink(self.step_path(step)):
+            # The marker would be written where the link leads: outside the root, perhaps
+            # into another job's step. Not marked: it stays listed, and is found damaged again.
+            log.warning(
+                "step %d is damaged (%s), but not quarantined: its directory %s is a symbolic "
+                "link, and nothing is written through one",
+                step,
+                reason,
+                self.step_path(step),
+            )
+            return
         path = self.path(step_dir_name(step), QUARANTINE_NAME)
         data = json.dumps(marker, indent=1).encode()
         self._write_bytes(path, data)
@@ -546,9 +577,9 @@ class CheckpointStorage:
         else:
             names = sorted({rel.split("/", 1)[0] for rel in self._find(self.root) if "/" in rel})
         for name in names:
-            match = QUARANTINED_ASIDE_PATTERN.match(name)
-            if match:
-                found.append(self._quarantine_info(int(match.group(1)), name))
+            step = step_of_match(QUARANTINED_ASIDE_PATTERN.fullmatch(name))
+            if step is not None:
+                found.append(self._quarantine_info(step, name))
         return sorted(found, key=lambda q: (q.step, q.name))
 
     def _quarantine_info(self, step: int, name: str) -> Quarantined:
@@ -583,6 +614,8 @@ class CheckpointStorage:
         self._remove_tree(source, rest)
 
     def _read_bytes(self, path: str) -> bytes:
+        if self.is_local:  # a FIFO, a device: refused, not waited on or read for ever
+            return read_regular_file(path)
         return self.call(f"read {path}", self.fs.cat_file, path)
 
     # -- writing -----------------------------------------------------------------------------
@@ -922,12 +955,12 @@ class CheckpointStorage:
             newest = os.path.getmtime(path)
         except FileNotFoundError:
             return None
-        for dirpath, _, files in os.walk(path):
-            for name in files:
-                try:
-                    newest = max(newest, os.path.getmtime(os.path.join(dirpath, name)))
-                except FileNotFoundError:
-                    continue
+        for full in walk_files(path):
+            try:
+                newest = max(newest, os.path.getmtime(full))
+            except OSError as exc:
+                if not _leads_nowhere(exc):
+                    raise
         return newest
 
     def _remove_local_leftover(self, leftover: Leftover) -> bool:
@@ -1005,8 +1038,8 @@ def _glob_committed_and_quarantined(root: str) -> tuple[set[int], set[int]] | No
         return None
 
     def steps(paths: list[str], in_step_dir: re.Pattern[str]) -> set[int]:
-        found = (in_step_dir.fullmatch(path) for path in paths)
-        return {int(match.group(1)) for match in found if match is not None}
+        found = (step_of_match(in_step_dir.fullmatch(path)) for path in paths)
+        return {step for step in found if step is not None}
 
     committed = steps(records, _RECORD_IN_STEP_DIR)
     quarantined = steps(markers, _MARKER_IN_STEP_DIR) & committed
@@ -1112,7 +1145,14 @@ def delete_local_step(root: str, path: str, doomed: str) -> None:
 
 def remove_local_tree(path: str) -> None:
     """Remove the local directory ``path`` and everything under it; nothing if it is gone,
-    or if another process removes it (or part of it) at the same time."""
+    or if another process removes it (or part of it) at the same time. A link (to a directory
+    elsewhere, say) or a file there is removed itself: nothing it leads to is touched."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
     shutil.rmtree(path, ignore_errors=True)
     if os.path.lexists(path):  # what could not be removed: once more, for its error
         try:
@@ -1123,15 +1163,38 @@ def remove_local_tree(path: str) -> None:
 
 
 def exists_locally(path: str) -> bool:
-    """Whether the local ``path`` exists. Unlike ``os.path.exists``, which answers False for
-    any error, only its absence is False: a path that cannot be looked at (a directory on
-    the way without permission, an I/O error) raises, so that a committed step is never taken
-    for a missing one (left out of a listing, or swept as a leftover)."""
+    """Whether the local ``path`` exists (a link there counts, even one that leads nowhere, as
+    for ``glob(3)``, which lists the committed steps). Unlike ``os.path.exists``, which answers
+    False for any error, only its absence is False (or a loop of links on the way, which no
+    file can be behind): a path that cannot be looked at (a directory on the way without
+    permission, an I/O error) raises, so that a committed step is never taken for a missing
+    one (left out of a listing, or swept as a leftover)."""
     try:
-        os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
+        os.lstat(path)
+    except OSError as exc:
+        if _leads_nowhere(exc):
+            return False
+        raise
     return True
+
+
+def _is_no_record(error: OSError, path: str) -> bool:
+    """True where reading the local record ``path`` failed with ``error`` because what is there
+    can never be one: a directory, a FIFO, a socket or a device, a link that loops or leads
+    nowhere (a record deleted meanwhile is no damage, and a permission is no damage either)."""
+    if isinstance(error, (NotRegularFileError, IsADirectoryError)):
+        return True
+    if error.errno in (errno.ELOOP, errno.ENXIO):
+        return True
+    return isinstance(error, FileNotFoundError) and os.path.lexists(path)
+
+
+def _leads_nowhere(error: OSError) -> bool:
+    """True for an error that says no file is at the path: it is missing, a directory on the
+    way is a file or missing, or the links on the way loop."""
+    return isinstance(error, (FileNotFoundError, NotADirectoryError)) or (
+        error.errno == errno.ELOOP
+    )
 
 
 def _info_mtime(info: dict[str, Any]) -> float | None:

@@ -169,9 +169,10 @@ def test_a_commit_record_without_permission_is_listed_unreadable_and_kept_by_pru
 
 
 def refuse_to_look_in(monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
-    """What a directory without permission does, wherever it is renamed to: ``os.stat`` of
-    anything in it, and listing it, fail with EACCES; the C library's glob, as it does for a
-    directory it cannot open, cannot answer (the listing is then made in Python)."""
+    """What a directory without permission does, wherever it is renamed to: ``os.stat`` and
+    ``os.lstat`` of anything in it, and listing it, fail with EACCES; the C library's glob, as
+    it does for a directory it cannot open, cannot answer (the listing is then made in
+    Python)."""
     real_stat, real_scandir, real_listdir = os.stat, os.scandir, os.listdir
     refused = (real_stat(directory).st_dev, real_stat(directory).st_ino)
 
@@ -190,6 +191,9 @@ def refuse_to_look_in(monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
             raise denied(path)
         return real_stat(path, *args, **kwargs)
 
+    def lstat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        return stat(path, *args, follow_symlinks=False, **kwargs)
+
     def scandir(path: Any = ".") -> Any:
         if is_refused(path):
             raise denied(path)
@@ -201,6 +205,7 @@ def refuse_to_look_in(monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
         return real_listdir(path)
 
     monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(os, "lstat", lstat)
     monkeypatch.setattr(os, "scandir", scandir)
     monkeypatch.setattr(os, "listdir", listdir)
     monkeypatch.setattr(local_glob, "match", lambda directory, pattern: None)

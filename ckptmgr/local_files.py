@@ -1,0 +1,69 @@
+"""Reading and walking a local checkpoint root without trusting what is in it.
+
+A root may hold what no save wrote: a FIFO where a record is expected (a plain ``open`` and
+``read`` of it waits for a writer for ever), a link to ``/dev/zero`` (read until memory runs
+out), a tree nested deeper than Python's recursion limit (``os.walk`` recurses on Python 3.11).
+These helpers read regular files only and walk trees with a loop.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterator
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+class NotRegularFileError(OSError):
+    """A path that should be a file is something else (a directory, a FIFO, a device)."""
+
+
+def read_regular_file(path: str) -> bytes:
+    """The bytes of the regular file ``path`` (a link to one is followed). Anything else
+    raises :class:`NotRegularFileError` before a byte is read: a FIFO is opened without
+    waiting for a writer (``O_NONBLOCK``), and a socket cannot be opened at all (``ENXIO``, an
+    ``OSError``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+            raise NotRegularFileError(errno.EINVAL, f"{kind}, not a regular file", path)
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+def walk_files(top: str) -> Iterator[str]:
+    """The path of every file under the directory ``top``, as ``os.walk(top)`` lists them
+    (links to directories are not followed, and are not files; every other entry is; a
+    directory that cannot be listed, ``top`` too, is skipped), with a loop instead of
+    recursion."""
+    pending = [top]
+    while pending:
+        directory = pending.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = list(listing)
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            if not is_dir:
+                yield entry.path
+            elif not entry.is_symlink():
+                pending.append(entry.path)
