@@ -162,6 +162,21 @@ def test_a_commit_record_that_can_never_be_one_is_damage(root: Path, kind: str) 
     assert step == 2 and torch.equal(restored, state_of(2)["w"])
 
 
+def test_a_link_loop_among_a_steps_files_is_a_missing_file(root: Path) -> None:
+    # os.path.getsize raised ELOOP (an OSError) out of the size check: verify aborted, and
+    # restore raised a plain CheckpointError, so restore_latest did not fall back.
+    (step_dir(root, 2) / "extra").symlink_to("extra")  # not in the record: ignored
+    with CheckpointManager(root, 1, chkpt_on_preemption=False, read_only=True) as manager:
+        manager.verify(2)
+        data = step_dir(root, 3) / "__0_0.distcp"
+        data.unlink()
+        data.symlink_to(data.name)
+        with pytest.raises(CorruptCheckpointError, match="missing"):
+            manager.verify(3)
+    step, restored = restore_latest(root)
+    assert step == 2 and torch.equal(restored, state_of(2)["w"])
+
+
 def test_a_dangling_commit_record_is_listed_and_never_swept(root: Path) -> None:
     # glob(3) lists it; the sweep took it for a missing record and removed the directory.
     record = step_dir(root, 3) / "commit.json"
