@@ -287,7 +287,12 @@ class CheckpointStorage:
         """False for an in-memory file system: another process sees nothing of it."""
         if create:  # (else read-only use: a root that does not exist lists no steps)
             if self.is_local:
-                self.fs.makedirs(self.root, exist_ok=True)
+                try:
+                    self.fs.makedirs(self.root, exist_ok=True)
+                except FileExistsError as exc:  # (the OS's "File exists" for a file there)
+                    raise NotADirectoryError(
+                        errno.ENOTDIR, "the checkpoint root is not a directory", self.root
+                    ) from exc
             else:
                 self.call(f"create {self.root}", self.fs.makedirs, self.root, exist_ok=True)
 

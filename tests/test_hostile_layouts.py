@@ -198,6 +198,24 @@ def test_reading_refuses_anything_but_a_regular_file(tmp_path: Path) -> None:
         assert refused.value.errno == errno.EINVAL
 
 
+@pytest.mark.parametrize("kind", ["file", "FIFO", "link to a file"])
+def test_a_root_that_is_no_directory_is_named_so(
+    tmp_path: Path, kind: str, fifos: Callable[[Path], None]
+) -> None:
+    # It raised FileExistsError: "File exists", of a root that was to be created.
+    path = tmp_path / "run"
+    if kind == "FIFO":
+        fifos(path)
+    else:
+        (tmp_path / "file").write_bytes(b"")
+        if kind == "file":
+            (tmp_path / "file").rename(path)
+        else:
+            path.symlink_to(tmp_path / "file")
+    with pytest.raises(NotADirectoryError, match="the checkpoint root is not a directory"):
+        bounded(lambda: CheckpointManager(path, 1, chkpt_on_preemption=False))
+
+
 # -- names that are not a step's own --------------------------------------------------------------
 ALIASES = ["step_0000000000003", "step_" + "\u0663" * 12, "step_000000000003\n"]
 
