@@ -339,11 +339,27 @@ def test_restore_errors_name_the_path() -> None:
     with pytest.raises(CheckpointError, match=r"holds a plain value at 'a/n' but .* a tensor"):
         restore({"a": {"b": torch.zeros(1), "n": torch.zeros(1)}}, flat)
     with pytest.raises(CheckpointError, match=r"holds tensors under 'a' but the state"):
-        restore({"a": {"b": 0}}, flat)
+        restore({"a": {}}, flat)  # (an optimizer's state_dict() before its first step)
+    with pytest.raises(CheckpointError, match=r"holds a tensor at 'a/b' but .* has a int there"):
+        restore({"a": {"b": 0}}, flat)  # plain values only: walked, item by item
+    with pytest.raises(CheckpointError, match=r"key 'a/m' of the state to restore is missing"):
+        restore({"a": {"n": 0, "m": 0}}, flat)
     with pytest.raises(CheckpointError, match=r"holds tensors under 'c/d' but the state"):
         restore({"c": {"d": {}, "q": torch.zeros(1)}}, flat)
     with pytest.raises(CheckpointError, match=r"key 'a%2Fb' of the state to restore is missing"):
         restore({"a/b": torch.zeros(1)}, flat)
+
+
+def test_a_subset_of_plain_values_beside_tensors_is_restored() -> None:
+    """A dict (list, tuple) holding only plain values, where the checkpoint holds tensors too,
+    was taken for an empty optimizer state ("holds tensors under 'a' ... prime_optimizer")."""
+    flat = flatten({"a": {"b": torch.randn(1), "n": 1, "s": "x", "l": [torch.randn(1), 7]}})
+    target: dict[str, Any] = {"a": {"n": 0, "s": ""}}
+    restore(target, flat)
+    assert target == {"a": {"n": 1, "s": "x"}}
+    target = {"a": {"l": (None, 0)}}
+    with pytest.raises(CheckpointError, match=r"holds a tensor at 'a/l/0' but .* NoneType"):
+        restore(target, flat)
 
 
 def test_modules_are_found_inside_any_container() -> None:
