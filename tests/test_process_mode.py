@@ -40,6 +40,7 @@ from _cloud_servers import Server, require_cloud_modules, start_moto
 from _cloud_state import blank_like
 from _cloud_state import differences as cloud_differences
 from _cloud_state import make_state as make_cloud_state
+from _daemon_faults import HeldRead
 from _process_mode_worker import KILL_STEPS, STEPS
 from test_distributed import torchrun
 from torch import nn
@@ -575,33 +576,38 @@ def test_daemon_killed_during_a_save_fails_that_save_only(ckpt_dir: Path) -> Non
 
 
 def test_a_daemon_killed_after_its_commit_leaves_the_step_committed_and_reported_so(
-    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The daemon commits step 2, then its retention (keep one) reads step 1's record, which is
-    a FIFO with no writer (the read blocks): the daemon is killed (SIGKILL) there, after the
+    """The daemon commits step 2, then its retention (keep one) reads step 1's record, a read
+    that blocks (injected in the daemon): the daemon is killed (SIGKILL) there, after the
     rename and before its answer. The save is reported committed (join raises nothing, a
-    warning says so), retention runs in the training process instead (step 1, its record put
-    back first, is deleted), step 2 restores bit-exact, and the next save gets a new daemon."""
+    warning says so), retention runs in the training process instead (step 1 is deleted),
+    step 2 restores bit-exact, and the next save gets a new daemon."""
     first = tensor_state(24, "base")
     committed = tensor_state(25, "base")
     after = tensor_state(26, "base")
     with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as thread_mode:
         assert thread_mode.save(1, {"tensors": first})
     record = step_dir(ckpt_dir, 1) / "commit.json"
-    saved_record = ckpt_dir / "step-1-record.json"
-    os.replace(record, saved_record)
-    os.mkfifo(record)
+    release = ckpt_dir.parent / "release-the-held-read"
+    os.mkfifo(release)  # (never opened for writing: the daemon's read waits until it dies)
+    real_init_info = SaveProcess._init_info
+
+    def init_info_holding_the_read(self: SaveProcess) -> Any:
+        info = real_init_info(self)
+        info.ckptmgr_test_fault = HeldRead(str(record), str(release))  # runs in the daemon
+        return info
+
+    monkeypatch.setattr(SaveProcess, "_init_info", init_info_holding_the_read)
     with process_manager(ckpt_dir, max_to_keep=1) as mgr:
-        try:
-            with caplog.at_level(logging.WARNING, logger="ckptmgr"):
-                assert mgr.save_async(2, {"tensors": committed})
-                deadline = time.monotonic() + POLL_TIMEOUT_S
-                while not (step_dir(ckpt_dir, 2) / "commit.json").exists():
-                    assert time.monotonic() < deadline, "step 2 was never committed"
-                    time.sleep(0.01)
-                daemon = daemon_of(mgr)
-        finally:
-            os.replace(saved_record, record)  # (the daemon still waits on the FIFO it opened)
+        with caplog.at_level(logging.WARNING, logger="ckptmgr"):
+            assert mgr.save_async(2, {"tensors": committed})
+            deadline = time.monotonic() + POLL_TIMEOUT_S
+            while not (step_dir(ckpt_dir, 2) / "commit.json").exists():
+                assert time.monotonic() < deadline, "step 2 was never committed"
+                time.sleep(0.01)
+            daemon = daemon_of(mgr)
+        monkeypatch.undo()  # (the next daemon reads freely)
         assert daemon.is_alive()  # (blocked in its retention: it cannot have answered)
         kill_and_reap(daemon)
         with caplog.at_level(logging.WARNING, logger="ckptmgr"):
