@@ -150,6 +150,7 @@ class BackgroundWriter:
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._errors: list[CheckpointError] = []
         self._lock = threading.Lock()
+        self._refusing = False  # shutdown() has begun: no job is taken (see submit)
         # A writer dropped without shutdown() (a manager never closed) lets its thread end.
         weakref.finalize(self, self._worker.stop).atexit = False
 
@@ -168,6 +169,12 @@ class BackgroundWriter:
         :class:`FailureHandover` decides when the job fails.
         ``cleanup`` runs after the job and after its failure is stored, so whoever waits on
         what ``cleanup`` frees sees the failure.
+
+        Once :meth:`shutdown` has begun (``close()``, from another thread, or from inside the
+        call that submits), the job is refused: ``cleanup`` runs here and ``CheckpointError``
+        is raised. (Taken, it restarted the worker that shutdown() was stopping, whose join
+        then waited for ever; or, after the shutdown, it ran with the manager's lease
+        released.)
         """
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
@@ -179,12 +186,18 @@ class BackgroundWriter:
             else:
                 future.set_result(None)
 
-        # Queued first: if an exception interrupts this call in between, the save still runs
-        # (a future listed but never queued would make wait() hang).
-        self._worker.put((future, run))
-        with self._lock:
-            self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(future)
+        with self._lock:  # (so that shutdown() waits for this job, or this call refuses it)
+            refused = self._refusing
+            if not refused:
+                # Queued first: if an exception interrupts this call in between, the save still
+                # runs (a future listed but never queued would make wait() hang).
+                self._worker.put((future, run))
+                self._pending = [f for f in self._pending if not f.done()]
+                self._pending.append(future)
+        if refused:
+            if cleanup is not None:
+                cleanup()
+            raise CheckpointError(f"{description} was refused: the CheckpointManager is closed")
         return future
 
     def _run(
@@ -254,8 +267,16 @@ class BackgroundWriter:
         raise error
 
     def shutdown(self) -> None:
-        """Wait for the jobs and stop the worker thread."""
-        self.wait()
+        """Refuse new jobs, wait for the queued ones and stop the worker thread. Interrupted
+        while it waits (Ctrl-C), it takes jobs again, and may be called again."""
+        with self._lock:
+            self._refusing = True
+        try:
+            self.wait()
+        except BaseException:
+            with self._lock:
+                self._refusing = False
+            raise
         self._worker.stop()
         self._worker.join()
 

@@ -1031,15 +1031,20 @@ class CheckpointManager:
             return
         # Interrupted here (Ctrl-C), saves are still running: nothing is released, and close()
         # may be called again.
-        self._writer.shutdown()
+        self._writer.shutdown()  # from here on, a save (from another thread) is refused
         self._closed = True
         first_error: Exception | None = None
+        interruption: BaseException | None = None
         for release in self._releases():  # each one, even after another failed
             try:
                 release()
             except Exception as exc:
                 log.error("closing the checkpoint manager: %s", exc, exc_info=exc)
                 first_error = first_error or exc
+            except BaseException as exc:  # Ctrl-C: the manager is closed, so the rest is
+                interruption = interruption or exc  # released too (a second close() is a no-op)
+        if interruption is not None:
+            raise interruption
         self._warn_of_unanswered_notice()
         self._raise_background_failure()
         if first_error is not None:

@@ -88,13 +88,126 @@ def test_a_failure_is_kept_and_raised_once_or_given_to_the_waiting_caller() -> N
     writer.shutdown()
 
 
-def test_shutdown_ends_the_thread_and_a_later_submit_starts_another() -> None:
+def writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ckptmgr-writer" and t.is_alive()]
+
+
+def test_shutdown_ends_the_thread_and_a_later_submit_is_refused_and_cleaned_up() -> None:
+    # A later submit started another thread (after close(): a save with the lease released).
     writer = BackgroundWriter()
     writer.submit("first", lambda: None).result(timeout=EXIT_TIMEOUT_S)
     writer.shutdown()
-    assert not [t for t in threading.enumerate() if t.name == "ckptmgr-writer" and t.is_alive()]
-    assert writer.submit("second", lambda: 7).result(timeout=EXIT_TIMEOUT_S) is None
+    assert not writer_threads()
+    ran: list[str] = []
+    with pytest.raises(CheckpointError, match="second was refused: the CheckpointManager is"):
+        writer.submit("second", lambda: ran.append("job"), cleanup=lambda: ran.append("cleanup"))
+    assert ran == ["cleanup"] and not writer_threads()
     writer.shutdown()
+
+
+def test_an_interrupted_shutdown_takes_jobs_again() -> None:
+    writer = BackgroundWriter()
+    real_wait = writer.wait
+
+    def interrupted_wait() -> None:
+        raise KeyboardInterrupt  # Ctrl-C while close() waits for the saves
+
+    writer.wait = interrupted_wait  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        writer.shutdown()
+    writer.wait = real_wait  # type: ignore[method-assign]
+    assert writer.submit("after", lambda: 7).result(timeout=EXIT_TIMEOUT_S) is None
+    writer.shutdown()
+    assert not writer_threads()
+
+
+def test_close_while_another_thread_saves_returns_and_refuses_the_later_saves(
+    tmp_path: Path,
+) -> None:
+    """close() stopped the writer, a save_async from another thread restarted it (and cancelled
+    the stop), and close() then waited for that thread for ever."""
+    root = tmp_path / "ckpts"
+    manager = CheckpointManager(root, save_interval=1, chkpt_on_preemption=False)
+    saved: list[int] = []
+    outcome: list[BaseException] = []
+    started = threading.Event()
+
+    def save_until_refused() -> None:
+        try:
+            for step in range(10_000):
+                if manager.save_async(step, {"w": torch.full((256,), float(step))}):
+                    saved.append(step)
+                started.set()
+        except BaseException as exc:  # (what ended it: asserted below)
+            outcome.append(exc)
+        started.set()
+
+    saver = threading.Thread(target=save_until_refused, daemon=True)
+    saver.start()
+    assert started.wait(EXIT_TIMEOUT_S)
+    closer = threading.Thread(target=manager.close, daemon=True)
+    closer.start()
+    closer.join(EXIT_TIMEOUT_S)
+    assert not closer.is_alive(), "close() still waits"
+    saver.join(EXIT_TIMEOUT_S)
+    assert not saver.is_alive() and len(outcome) == 1, outcome
+    assert isinstance(outcome[0], CheckpointError) and "closed" in str(outcome[0])
+    assert not writer_threads() and not (root / "owner.json").exists()
+    with CheckpointManager(root, save_interval=1, read_only=True) as reader:
+        assert reader.all_steps() == saved  # every save that returned True, and no other
+
+
+class ClosesTheManager:
+    """A stateful object whose state_dict() closes the manager (another thread's close() lands
+    in the same window: after the save's check that the manager is open)."""
+
+    def __init__(self) -> None:
+        self.manager: CheckpointManager | None = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        assert self.manager is not None
+        self.manager.close()
+        return {"w": torch.ones(8)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("call", ["save", "save_async"])
+def test_a_save_that_the_manager_is_closed_under_writes_nothing(tmp_path: Path, call: str) -> None:
+    """It committed its step after close() had released the lease, and left a writer thread."""
+    root = tmp_path / "ckpts"
+    manager = CheckpointManager(root, save_interval=1, chkpt_on_preemption=False)
+    closing = ClosesTheManager()
+    closing.manager = manager
+    with pytest.raises(CheckpointError, match="refused: the CheckpointManager is closed"):
+        getattr(manager, call)(5, {"obj": closing})
+    assert not writer_threads() and not (root / "owner.json").exists()
+    assert sorted(path.name for path in root.iterdir()) == []
+    with CheckpointManager(root, save_interval=1, read_only=True) as reader:
+        assert reader.all_steps() == []
+
+
+def test_ctrl_c_while_close_releases_still_releases_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt in one release skipped the others, and the manager counted as
+    closed: the lease stayed held (another job was refused) and the signal handlers stayed."""
+    before = signal.getsignal(signal.SIGTERM)
+    root = tmp_path / "ckpts"
+    manager = CheckpointManager(root, save_interval=1)
+    assert signal.getsignal(signal.SIGTERM) is not before
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt  # as Ctrl-C landing in the first release
+
+    monkeypatch.setattr(manager._save_plans, "forget", interrupted)  # internal: the first
+    with pytest.raises(KeyboardInterrupt):
+        manager.close()
+    assert not (root / "owner.json").exists()
+    assert signal.getsignal(signal.SIGTERM) is before
+    manager.close()  # a no-op now
+    CheckpointManager(root, save_interval=1, chkpt_on_preemption=False).close()
 
 
 def test_a_manager_dropped_without_close_is_collected_and_its_thread_ends(
