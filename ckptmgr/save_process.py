@@ -36,11 +36,11 @@ import logging
 import multiprocessing.connection
 import multiprocessing.process
 import multiprocessing.resource_sharer
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import weakref
@@ -95,6 +95,15 @@ DAEMON_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.
 notice or Ctrl-C sent to the whole process group is the training process's to handle, and would
 otherwise kill the daemon with the save in flight (and the preemption save would wait for a new
 one). The daemon ends when the training process asks it to, or is killed (SIGKILL)."""
+
+try:
+    # Starting a daemon imported this module on first use, on the writer thread. A fork of the
+    # training process while that import held its module lock left the lock held in the child
+    # for good, and the child's own manager then waited for it in its first daemon start.
+    # Imported here, by the thread that imports ckptmgr, a daemon start imports nothing.
+    import multiprocessing.popen_spawn_posix
+except ImportError:  # pragma: no cover - Windows (no spawn from a POSIX fork server)
+    pass
 
 try:
     from torch.distributed.checkpoint._async_process_executor import (
@@ -772,7 +781,10 @@ class SaveProcess:
 
     def _init_info(self) -> Any:
         """Where the daemons' gloo group meets: the ranks' own group's rank and size, and a
-        store address chosen by its rank 0 (a collective); a private 1-rank group otherwise."""
+        store address chosen by its rank 0 (a collective); a private 1-rank group otherwise,
+        whose store the daemon binds to a port of the kernel's choice (port 0: a port chosen
+        here, free when probed, was taken by another process's daemon started at the same
+        time, a forked child's, before this daemon bound it: EADDRINUSE)."""
         if self._group is not None:
             return _ProcessGroupInitInfo(self._group)
         info = _ProcessGroupInitInfo.__new__(_ProcessGroupInitInfo)
@@ -780,7 +792,7 @@ class SaveProcess:
         info.global_rank = 0
         info.world_size = 1
         info.tcp_store_master_addr = "127.0.0.1"
-        info.tcp_store_master_port = _free_port()
+        info.tcp_store_master_port = 0
         info.use_prefix_store = False
         info.disable_automatic_gc = False
         info.disable_manual_gc = False
@@ -796,11 +808,22 @@ def _forget_the_parents_daemons_in_forked_child() -> None:
     makes): the parent's daemons are not the child's children, so the child's exit neither
     signals nor joins them; and the resource sharer that hands a daemon the file descriptors of
     the staged tensors is the parent's, so a daemon started by the child would ask the parent's
-    listener for them, and each of the child's saves would fail."""
+    listener for them, and each of the child's saves would fail. And a lock that a thread of
+    the parent held at the fork (the resource tracker's, held while the parent's writer thread
+    started a daemon) stays held in the child, whose first daemon start would wait for it for
+    ever: it is replaced by a new one."""
     try:
         for daemon in list(_STARTED_DAEMONS):
             multiprocessing.process._children.discard(daemon)  # type: ignore[attr-defined]
         _STARTED_DAEMONS.clear()
+        tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+        lock = getattr(tracker, "_lock", None)
+        if lock is not None:
+            if lock.acquire(blocking=False):  # (the child's only thread: nobody else holds it)
+                lock.release()
+            else:  # held by a thread of the parent, which the child does not have
+                reentrant = "RLock" in type(lock).__name__  # (an RLock from Python 3.12 on)
+                tracker._lock = threading.RLock() if reentrant else threading.Lock()  # type: ignore[union-attr]
         sharer = getattr(multiprocessing.resource_sharer, "_resource_sharer", None)
         after_fork = getattr(sharer, "_afterfork", None)
         if after_fork is not None:
@@ -824,9 +847,3 @@ def _stop_daemon(daemon: Any) -> None:
     if process.is_alive():
         process.kill()
         process.join(_EXIT_WAIT_S)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])

@@ -20,6 +20,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -828,7 +829,8 @@ def test_an_arena_view_pickles_as_its_place_in_the_arena() -> None:
 
 def run_script(directory: Path, text: str, *args: str) -> tuple[int, str, str]:
     """Run ``text`` as a script (its own file in ``directory``) in a fresh interpreter: its
-    exit status, standard output and standard error (killed after 90 s)."""
+    exit status, standard output and standard error (killed after 90 s, with every process it
+    started: a forked child that hangs holds the output pipes open)."""
     script = directory / f"script_{uuid.uuid4().hex[:8]}.py"
     script.write_text(text)
     process = subprocess.Popen(
@@ -837,11 +839,12 @@ def run_script(directory: Path, text: str, *args: str) -> tuple[int, str, str]:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        start_new_session=True,
     )
     try:
         out, err = process.communicate(timeout=90)
     except subprocess.TimeoutExpired:
-        process.kill()
+        os.killpg(process.pid, signal.SIGKILL)
         out, err = process.communicate()
     return process.returncode, out, err
 
@@ -919,6 +922,75 @@ def test_a_script_without_a_main_guard_fails_its_save_saying_so(tmp_path: Path) 
     assert "a CheckpointManager is being made while this process is started" in err, err
     assert "LeaseHeld" not in err, err
     assert "listed []" in out, out
+
+
+FORK_WHILE_THE_TRACKER_IS_HELD = r"""
+import multiprocessing.resource_tracker, os, sys, threading, torch
+from ckptmgr import CheckpointManager
+
+if __name__ == "__main__":
+    held, release = threading.Event(), threading.Event()
+    tracker = multiprocessing.resource_tracker._resource_tracker
+
+    def hold():  # as the parent's writer thread does while it starts a daemon
+        with tracker._lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(60)
+    pid = os.fork()
+    if pid == 0:
+        mgr = CheckpointManager(sys.argv[1], 1, async_mode="process", chkpt_on_preemption=False)
+        mgr.save_async(7, {"w": torch.ones(4)})
+        mgr.close()
+        print("child listed", mgr.all_steps(), flush=True)
+        os._exit(0)
+    release.set()
+    holder.join()
+    print("child exit status", os.waitpid(pid, 0)[1], flush=True)
+"""
+
+
+def test_a_forked_child_starts_its_daemon_though_a_lock_was_held_at_the_fork(
+    tmp_path: Path,
+) -> None:
+    """The parent's writer thread held multiprocessing's resource tracker lock while it started
+    a daemon; a fork then left it held in the child, whose own manager's first daemon start
+    waited for it for ever (its close() too)."""
+    returncode, out, err = run_script(tmp_path, FORK_WHILE_THE_TRACKER_IS_HELD, str(tmp_path / "c"))
+    assert returncode == 0, out + err
+    assert "child listed [7]" in out and "child exit status 0" in out, out + err
+
+
+def test_the_daemons_store_port_is_chosen_when_it_binds(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port probed free and handed to the daemon could be taken before the daemon bound it
+    (another process's daemon started at the same time, a forked child's): the save failed
+    with EADDRINUSE. Taken here, as such a process would, it fails nothing now."""
+    real_init_info = SaveProcess._init_info
+    taken: list[socket.socket] = []
+
+    def init_info_whose_port_is_taken(self: SaveProcess) -> Any:
+        info = real_init_info(self)
+        if info.tcp_store_master_port:  # a port chosen here: another process binds it first
+            squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            squatter.bind((info.tcp_store_master_addr, info.tcp_store_master_port))
+            squatter.listen()
+            taken.append(squatter)
+        return info
+
+    monkeypatch.setattr(SaveProcess, "_init_info", init_info_whose_port_is_taken)
+    try:
+        with process_manager(ckpt_dir) as mgr:
+            assert mgr.save_async(1, {"w": torch.ones(4)})
+            mgr.join()
+            assert mgr.all_steps() == [1]
+    finally:
+        for squatter in taken:
+            squatter.close()
 
 
 def test_no_manager_is_made_while_multiprocessing_starts_this_process(tmp_path: Path) -> None:
