@@ -1051,12 +1051,14 @@ class CheckpointManager:
             raise first_error
 
     def _releases(self) -> list[Callable[[], None]]:
-        """What close() releases after the last save: daemon, lease, preemption sources (last:
-        a signal that arrives meanwhile is still caught, see
+        """What close() releases after the last save: the staging memory (a closed manager
+        that is still referenced held a copy of the state), daemon, lease, preemption sources
+        (last: a signal that arrives meanwhile is still caught, see
         :meth:`_warn_of_unanswered_notice`)."""
         releases: list[Callable[[], None]] = [self._save_plans.forget]
         if self._save_process is not None:
-            releases.append(self._save_process.close)
+            releases.append(self._save_process.close)  # (it holds staged views too)
+        releases.append(self._staging.free_all)
         if self._lease is not None:
             releases.append(self._lease.release)
         if self._preemption is not None:

@@ -934,6 +934,13 @@ class StagingPool:
             log.info("waited %.3f s for a free async save slot%s", waited, on_wait)
         return slot
 
+    def free_all(self) -> None:
+        """Free every slot's memory (a closed manager's: its saves are done). A slot still in
+        flight keeps its memory; the pool can be used again (its slots allocate anew)."""
+        with self._cond:
+            for slot in self._free:
+                slot.free()
+
     def release(self, buffers: StagingBuffers) -> None:
         """Return a buffer set once its write has finished."""
         with self._cond:

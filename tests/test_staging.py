@@ -902,3 +902,21 @@ def test_cuda_a_freed_arena_is_unpinned_at_once() -> None:
     # Registered no longer: unregistering again fails (cudaErrorHostMemoryNotRegistered).
     assert int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0
     assert not staged["x"].is_pinned()
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_close_frees_the_staging_memory_of_a_manager_still_referenced(
+    tmp_path: Path, mode: str
+) -> None:
+    """A closed manager kept its staging arena (a copy of the state, in shared memory in process
+    mode) for as long as it was referenced: a script that kept its variable after training held
+    that memory through its evaluation."""
+    manager = CheckpointManager(tmp_path / "ckpts", 1, chkpt_on_preemption=False, async_mode=mode)
+    assert manager.save_async(1, {"w": torch.ones(1 << 20)})
+    manager.join()
+    arena = weakref.ref(manager._staging._all[0]._arena)  # internal: the slot's memory
+    assert arena() is not None
+    manager.close()
+    gc.collect()
+    assert arena() is None and manager._staging.nbytes == 0
+    assert manager.all_steps() == [1]
