@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
+from fsspec.implementations.local import LocalFileSystem
+
 from ckptmgr._version import __version__
 from ckptmgr.cli_output import (
     Report,
@@ -411,9 +413,23 @@ def open_storage(url: str, option_pairs: Sequence[tuple[str, Any]]) -> Checkpoin
     fs, root = open_filesystem(url, options)  # gcsfs/s3fs with ckptmgr's request retries
     if not fs.exists(root):
         raise CheckpointError(f"{url} does not exist")
-    if not fs.isdir(root):
+    if not (fs.isdir(root) or _holds_objects(fs, root)):
         raise CheckpointError(f"{url} is not a directory")
     return CheckpointStorage(url, options)
+
+
+def _holds_objects(fs: Any, root: str) -> bool:
+    """True where ``root`` is a prefix of objects, though ``fs.isdir`` says no: on an object
+    store, an object whose name is the root's (``run`` beside ``run/...``) is what gcsfs
+    answers for it."""
+    if isinstance(fs, LocalFileSystem):
+        return False
+    try:
+        listed = fs.ls(root, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    own = root.rstrip("/")
+    return any(str(entry).rstrip("/") != own for entry in listed)
 
 
 def read_committed_record(storage: CheckpointStorage, step: int) -> CommitRecord:

@@ -673,7 +673,11 @@ class CheckpointStorage:
         if self.is_local:
             sizes = local_file_sizes(path)
         else:
-            sizes = {name: int(info.get("size") or 0) for name, info in self._find(path).items()}
+            sizes = {
+                name: int(info.get("size") or 0)
+                for name, info in self._find(path).items()
+                if not name.endswith("/")  # a "folder" marker of another tool: no file of ours
+            }
         return [FileEntry(path=relative, size=size) for relative, size in sorted(sizes.items())]
 
     def commit(self, step: int, path: str, record: CommitRecord) -> None:
@@ -854,14 +858,23 @@ class CheckpointStorage:
             self.call(f"delete {path}", remove_dir)
 
     def _remove_files(self, files: list[str]) -> None:
+        """Delete the objects ``files``, each by its literal name. ``fs.rm`` of a list (one
+        batch request per 1000 on S3, per 100 on GCS) takes a name with ``*``, ``?`` or ``[``
+        for a pattern, and s3fs drops a name's trailing ``/`` (a "folder" marker a console
+        makes): such names, which another tool wrote, are deleted one by one (a pattern had
+        deleted another object of the step, and left the marker and the literal name)."""
+        batched = [name for name in files if not _is_odd_object_name(name)]
+        one_by_one = [name for name in files if _is_odd_object_name(name)]
         try:
-            self.fs.rm(files)
+            if batched:
+                self.fs.rm(batched)
         except FileNotFoundError:  # a retry after a partly done batch: delete what is left
-            for name in files:
-                try:
-                    self.fs.rm_file(name)
-                except FileNotFoundError:
-                    continue
+            one_by_one = batched + one_by_one
+        for name in one_by_one:
+            try:
+                self.fs.rm_file(name)
+            except FileNotFoundError:
+                continue
 
     def leftovers(self) -> list[Leftover]:
         """Uncommitted data under the root: interrupted saves and deletes, sorted by name."""
@@ -1181,6 +1194,15 @@ def exists_locally(path: str) -> bool:
             return False
         raise
     return True
+
+
+_GLOB_MAGIC = re.compile(r"[*?\[]")
+
+
+def _is_odd_object_name(name: str) -> bool:
+    """True for an object name that ``fs.rm`` would not delete as it is: one with a character
+    fsspec expands as a pattern, or a "folder" marker's trailing ``/``."""
+    return name.endswith("/") or _GLOB_MAGIC.search(name) is not None
 
 
 def _is_no_record(error: OSError, path: str) -> bool:

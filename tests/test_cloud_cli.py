@@ -77,3 +77,16 @@ def test_ls_and_inspect_read_the_object_store(server: Server, root: str) -> None
         "__0_0.distcp",
         "objects-rank00000.json",
     }
+
+
+def test_an_object_named_as_the_root_does_not_hide_it(server: Server, root: str) -> None:
+    """An object whose key is the root's (``run`` beside ``run/...``): gcsfs answers it for
+    the root, which the command line then refused ("is not a directory"), while the manager
+    used the root as it is."""
+    options = server.storage_options()
+    with CheckpointManager(root, 1, chkpt_on_preemption=False, storage_options=options) as mgr:
+        mgr.save(1, make_state(1))
+    storage = CheckpointStorage(root, options)
+    storage.fs.pipe_file(storage.root, b"an object of another tool")
+    assert [entry["step"] for entry in cli("ls", root, options=options)["steps"]] == [1]
+    assert [entry["step"] for entry in cli("verify", root, options=options)["steps"]] == [1]
