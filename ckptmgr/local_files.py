@@ -67,3 +67,23 @@ def walk_files(top: str) -> Iterator[str]:
                 yield entry.path
             elif not entry.is_symlink():
                 pending.append(entry.path)
+
+
+def remove_tree_iteratively(top: str) -> None:
+    """Remove the directory ``top`` and everything under it with a loop (links are removed,
+    never followed): for a tree ``shutil.rmtree`` cannot remove for its depth. Raises the
+    ``OSError`` of what cannot be removed."""
+    pending = [top]
+    while pending:
+        directory = pending[-1]
+        with os.scandir(directory) as listing:
+            entries = list(listing)
+        below = [entry.path for entry in entries if entry.is_dir(follow_symlinks=False)]
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                os.unlink(entry.path)
+        if below:
+            pending.extend(below)  # (this directory is listed again once they are gone)
+        else:
+            os.rmdir(directory)
+            pending.pop()

@@ -55,7 +55,12 @@ from ckptmgr.integrity import (
     expected_files,
     raise_problems,
 )
-from ckptmgr.local_files import NotRegularFileError, read_regular_file, walk_files
+from ckptmgr.local_files import (
+    NotRegularFileError,
+    read_regular_file,
+    remove_tree_iteratively,
+    walk_files,
+)
 from ckptmgr.record import (
     QUARANTINE_NAME,
     RECORD_NAME,
@@ -1171,7 +1176,10 @@ def remove_local_tree(path: str) -> None:
         except FileNotFoundError:
             pass
         return
-    shutil.rmtree(path, ignore_errors=True)
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    except RecursionError:  # a tree deeper than the recursion limit (not ckptmgr's)
+        remove_tree_iteratively(path)
     if os.path.lexists(path):  # what could not be removed: once more, for its error
         try:
             shutil.rmtree(path)

@@ -8,7 +8,8 @@
   of another script, a trailing newline are other names, never listed, never deleted.
 - Nothing is written through a link: a damaged step whose directory links to another root's
   step is skipped, not marked there. Deleting a link removes the link, not what it leads to.
-- Trees nested deeper than Python's recursion limit are walked (a leftover's age, a step's files).
+- Trees nested deeper than Python's recursion limit are walked (a leftover's age, a step's files)
+  and removed (a leftover swept, a step deleted).
 """
 
 from __future__ import annotations
@@ -343,6 +344,14 @@ def test_a_tree_deeper_than_the_recursion_limit_is_walked(
         restored = {"w": torch.zeros(64)}
         manager.restore(3, restored)
         assert torch.equal(restored["w"], state_of(3)["w"])
-    nested(root / ".tmp-step_000000000009-x")  # its age is the newest time in it
-    with CheckpointManager(root, 1, chkpt_on_preemption=False, leftover_grace_s=0) as manager:
+    leftover = nested(root / ".tmp-step_000000000009-x")  # its age: the newest time in it
+    with CheckpointManager(
+        root, 1, max_to_keep=1, chkpt_on_preemption=False, leftover_grace_s=0
+    ) as manager:
+        assert not leftover.exists()  # swept (shutil.rmtree raised RecursionError: a warning)
         assert manager.all_steps() == list(STEPS)
+        assert manager.save(4, state_of(4))  # retention deletes step 3, deep tree and all
+        assert manager.all_steps() == [4]
+    assert sorted(path.name for path in root.iterdir() if path.name.startswith((".", "step_"))) == [
+        step_dir(root, 4).name
+    ]
