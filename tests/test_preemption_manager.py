@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -65,21 +66,31 @@ def test_a_cloud_notice_saves_the_next_step(
     assert restored["step"] == preempted and torch.equal(restored["w"], _state(preempted)["w"])
 
 
+def keep_one_with_a_trigger_file(ckpt_dir: Path, trigger: Path, **kwargs: Any) -> CheckpointManager:
+    """A manager that keeps one step (``KeepLatest(1)``), saves only when forced or preempted,
+    and takes ``trigger`` appearing for a preemption notice."""
+    config = PreemptionConfig(**{**QUIET, "file": str(trigger), "poll_interval_s": POLL_S})
+    return CheckpointManager(
+        ckpt_dir, save_interval=10**6, max_to_keep=1, preemption=config, **kwargs
+    )
+
+
+def wait_until_noticed(manager: CheckpointManager, step: int) -> None:
+    deadline = time.monotonic() + NOTICE_WAIT_S
+    while not manager.should_save(step):
+        assert time.monotonic() < deadline, "the trigger file was never noticed"
+
+
 def test_a_trigger_file_saves_the_next_step_and_is_protected_from_retention(
     ckpt_dir: Path, tmp_path: Path
 ) -> None:
     trigger = tmp_path / "preempt-now"
-    config = PreemptionConfig(**{**QUIET, "file": str(trigger), "poll_interval_s": POLL_S})
-    with CheckpointManager(
-        ckpt_dir, save_interval=10**6, max_to_keep=1, preemption=config
-    ) as manager:
+    with keep_one_with_a_trigger_file(ckpt_dir, trigger) as manager:
         manager.save(200, _state(200), force=True)
         manager.save(300, _state(300), force=True)
         trigger.touch()
         # A rewind: the run goes on at step 150, where the notice arrives.
-        deadline = time.monotonic() + NOTICE_WAIT_S
-        while not manager.should_save(150):
-            assert time.monotonic() < deadline, "the trigger file was never noticed"
+        wait_until_noticed(manager, 150)
         assert manager.save_async(150, _state(150))
         assert manager.reached_preemption(150)
         # KeepLatest(1) keeps 300; the preemption step is the most recently committed: kept.
@@ -96,15 +107,10 @@ def test_retention_after_the_preemption_checkpoint_waits_for_the_next_save(
     reached_preemption (and exit_after_save) waited for the deletion: seconds of the notice's
     grace period for a large step on a local disk (6 s with slow deletes)."""
     trigger = tmp_path / "preempt-now"
-    config = PreemptionConfig(**{**QUIET, "file": str(trigger), "poll_interval_s": POLL_S})
-    with CheckpointManager(
-        ckpt_dir, save_interval=10**6, max_to_keep=1, preemption=config, async_mode=async_mode
-    ) as mgr:
+    with keep_one_with_a_trigger_file(ckpt_dir, trigger, async_mode=async_mode) as mgr:
         assert mgr.save(1, _state(1), force=True)
         trigger.touch()
-        deadline = time.monotonic() + NOTICE_WAIT_S
-        while not mgr.should_save(2):
-            assert time.monotonic() < deadline, "the trigger file was never noticed"
+        wait_until_noticed(mgr, 2)
         assert mgr.save_async(2, _state(2))
         assert mgr.reached_preemption(2)
         assert mgr.all_steps() == [1, 2]  # nothing deleted after the preemption checkpoint
