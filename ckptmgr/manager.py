@@ -1063,8 +1063,8 @@ class CheckpointManager:
             raise first_error
 
     def _releases(self) -> list[Callable[[], None]]:
-        """What close() releases after the last save: the staging memory (a closed manager
-        that is still referenced held a copy of the state), daemon, lease, preemption sources
+        """What close() releases after the last save: daemon, staging memory (a closed
+        manager that is still referenced held a copy of the state), lease, preemption sources
         (last: a signal that arrives meanwhile is still caught, see
         :meth:`_warn_of_unanswered_notice`)."""
         releases: list[Callable[[], None]] = [self._save_plans.forget]
