@@ -139,7 +139,10 @@ if _AsyncCheckpointProcess is not None:
                 super().__init__(pg_init_info)
             except RuntimeError as exc:  # DCP's "Checkpoint background process is dead"
                 process = getattr(self, "_save_process", None)
-                if process is None or not isinstance(exc.__context__, EOFError):
+                if process is None:
+                    raise
+                pipe_closed = isinstance(exc.__context__, EOFError)
+                if not (pipe_closed or process.exitcode is not None):  # (DCP's timeout)
                     raise
                 raise _ended_at_start(process) from exc
 
