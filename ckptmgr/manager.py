@@ -899,8 +899,6 @@ class CheckpointManager:
         policy = self._policy
         if policy is None or self.config.retention_dry_run or not retention.is_builtin(policy):
             return None
-        if self._answers_preemption(step):
-            return None  # (deferred: see _plan_after_commit)
         if self._lease is not None and confirm_owner is None:  # (a lease off the local disk)
             return None
         with self._lock:
@@ -963,19 +961,9 @@ class CheckpointManager:
             )
         return True
 
-    def _answers_preemption(self, step: int) -> bool:
-        with self._lock:
-            return self._preemption_claimed == step
-
     def _plan_after_commit(self, step: int, listed: list[int] | None) -> _SaveOutcome:
         """The outcome of a committed save: retention's plan after it (over ``listed``, the
-        committed steps in storage now; listed here when None). After a checkpoint that
-        answers a preemption notice, retention deletes nothing: the notice's grace period is
-        the checkpoint's (``reached_preemption`` and ``exit_after_save`` waited for the
-        deletions too), and the next save's retention deletes what it lets go."""
-        if self._answers_preemption(step):
-            log.info("retention after step %d deferred to the next save (a preemption)", step)
-            return _SaveOutcome(committed=True, error=None, deleted=[], listed=listed)
+        committed steps in storage now; listed here when None)."""
         try:
             if self._lease is not None:  # another job owns the root now: delete none of its
                 self._lease.check()  # steps (the step just committed is this job's last)
