@@ -679,10 +679,6 @@ class _RestorePlanner:
         if not (isinstance(value, (dict, list, tuple)) and _needs_walk(value)):
             self._visit_leaf(container, key, value, path, private)
             return
-        self._walk(container, key, value, path, private)
-
-    def _walk(self, container: Any, key: Any, value: Any, path: str, private: bool) -> None:
-        """Plan each item of ``container[key]`` (``value``, a dict, list or tuple) at its path."""
         items = list(value) if isinstance(value, tuple) else value
         if type(items) is dict or type(items) is list:
             self.plan_items(items, path, private)
@@ -709,11 +705,6 @@ class _RestorePlanner:
                 f"{type(value).__qualname__} there"
             )
         if name in self.tensor_paths:
-            if isinstance(value, (dict, list, tuple)) and value:
-                # Plain values only here, stored item by item beside the checkpoint's tensors
-                # (a subset of them: the tensors left out of this state are not restored).
-                self._walk(container, key, value, path, private)
-                return
             raise CheckpointError(
                 f"the checkpoint holds tensors under {path!r} but the state to restore has none "
                 "there. If this is an optimizer's state_dict(), its state is created lazily: call "
