@@ -273,12 +273,12 @@ class BackgroundWriter:
             self._refusing = True
         try:
             self.wait()
-        except BaseException:
+            self._worker.stop()
+            self._worker.join()
+        except BaseException:  # (a job queued now cancels the stop: the worker serves on)
             with self._lock:
                 self._refusing = False
             raise
-        self._worker.stop()
-        self._worker.join()
 
 
 def _short(exc: BaseException) -> str:

@@ -1214,13 +1214,24 @@ class CheckpointManager:
         (every rank)."""
         if self.config.read_only:
             log.error("step %d is damaged and is skipped (read_only: not marked): %s", step, error)
-        else:
+        elif not self._comm.is_coordinator:
             log.error("step %d is damaged and is quarantined: %s", step, error)
-        if self._comm.is_coordinator and not self.config.read_only:
+        else:
             try:
-                self._storage.quarantine(step, str(error))
+                marked = self._storage.quarantine(step, str(error))
             except Exception as exc:  # still skipped by this manager; retried by the next one
+                log.error("step %d is damaged and is skipped: %s", step, error)
                 log.error("could not record the quarantine of step %d: %s", step, exc)
+            else:
+                if marked:
+                    log.error("step %d is damaged and is quarantined: %s", step, error)
+                else:
+                    log.error(
+                        "step %d is damaged and is skipped (its directory is a symbolic link: "
+                        "no marker is written through one): %s",
+                        step,
+                        error,
+                    )
         with self._lock:
             self._committed.discard(step)
             self._damaged.add(step)

@@ -909,6 +909,7 @@ class StagingPool:
         self._all = [StagingBuffers(self, shared=shared) for _ in range(slots)]
         self._free: list[StagingBuffers] = list(self._all)
         self._cond = threading.Condition()
+        self._freeing = False  # free_all() was called: released slots are freed
 
     @property
     def nbytes(self) -> int:
@@ -935,15 +936,19 @@ class StagingPool:
         return slot
 
     def free_all(self) -> None:
-        """Free every slot's memory (a closed manager's: its saves are done). A slot still in
-        flight keeps its memory; the pool can be used again (its slots allocate anew)."""
+        """Free every slot's memory (a closed manager's: its saves are done), and from now on
+        each slot's as it is released (a save refused by the closing manager after it had
+        staged)."""
         with self._cond:
+            self._freeing = True
             for slot in self._free:
                 slot.free()
 
     def release(self, buffers: StagingBuffers) -> None:
         """Return a buffer set once its write has finished."""
         with self._cond:
+            if self._freeing:
+                buffers.free()
             self._free.append(buffers)
             self._cond.notify_all()
 

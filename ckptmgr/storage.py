@@ -552,30 +552,24 @@ class CheckpointStorage:
         return crc32_of_remote(ranged_reads(self.fs, path, self.call), size, name)
 
     # -- quarantine --------------------------------------------------------------------------
-    def quarantine(self, step: int, reason: str) -> None:
+    def quarantine(self, step: int, reason: str) -> bool:
         """Mark a committed step as damaged: it stays in storage, is no longer listed, and is
-        never deleted by retention. Writes ``step_<N>/quarantined.json``."""
+        never deleted by retention. Writes ``step_<N>/quarantined.json``; False, writing
+        nothing, where the step's local directory is a symbolic link (the marker would be
+        written where it leads: outside the root, perhaps into another job's step)."""
         marker = {
             "step": step,
             "reason": reason[:4000],
             "quarantined_at": utc_now().isoformat().replace("+00:00", "Z"),
         }
         if self.is_local and os.path.islink(self.step_path(step)):
-            # The marker would be written where the link leads: outside the root, perhaps
-            # into another job's step. Not marked: it stays listed, and is found damaged again.
-            log.warning(
-                "step %d is damaged (%s), but not quarantined: its directory %s is a symbolic "
-                "link, and nothing is written through one",
-                step,
-                reason,
-                self.step_path(step),
-            )
-            return
+            return False
         path = self.path(step_dir_name(step), QUARANTINE_NAME)
         data = json.dumps(marker, indent=1).encode()
         self._write_bytes(path, data)
         if self.is_local:
             _fsync_dir(self.step_path(step))
+        return True
 
     def quarantined(self) -> list[Quarantined]:
         """Every quarantined step: marked in place, and moved aside by a later save."""
@@ -1171,6 +1165,13 @@ def remove_local_tree(path: str) -> None:
     or if another process removes it (or part of it) at the same time. A link (to a directory
     elsewhere, say) or a file there is removed itself: nothing it leads to is touched."""
     if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        if os.path.islink(path):
+            log.warning(
+                "%s is a symbolic link (to %s): the link is removed, what it leads to is left "
+                "as it is",
+                path,
+                os.readlink(path),
+            )
         try:
             os.unlink(path)
         except FileNotFoundError:

@@ -121,6 +121,25 @@ def test_an_interrupted_shutdown_takes_jobs_again() -> None:
     assert not writer_threads()
 
 
+def test_a_shutdown_interrupted_while_it_joins_the_thread_takes_jobs_again() -> None:
+    # Ctrl-C after the wait, while the worker thread was joined: new jobs stayed refused ("the
+    # CheckpointManager is closed") in a manager that was not closed.
+    writer = BackgroundWriter()
+    writer.submit("first", lambda: None).result(timeout=EXIT_TIMEOUT_S)
+    real_join = writer._worker.join  # internal: the last step of shutdown()
+
+    def interrupted_join() -> None:
+        raise KeyboardInterrupt
+
+    writer._worker.join = interrupted_join  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        writer.shutdown()
+    writer._worker.join = real_join  # type: ignore[method-assign]
+    assert writer.submit("after", lambda: 7).result(timeout=EXIT_TIMEOUT_S) is None
+    writer.shutdown()
+    assert not writer_threads()
+
+
 def test_close_while_another_thread_saves_returns_and_refuses_the_later_saves(
     tmp_path: Path,
 ) -> None:
@@ -183,6 +202,7 @@ def test_a_save_that_the_manager_is_closed_under_writes_nothing(tmp_path: Path, 
     with pytest.raises(CheckpointError, match="refused: the CheckpointManager is closed"):
         getattr(manager, call)(5, {"obj": closing})
     assert not writer_threads() and not (root / "owner.json").exists()
+    assert manager._staging.nbytes == 0  # internal: a refused save_async staged, then freed
     assert sorted(path.name for path in root.iterdir()) == []
     with CheckpointManager(root, save_interval=1, read_only=True) as reader:
         assert reader.all_steps() == []

@@ -256,10 +256,12 @@ def test_a_damaged_step_linked_from_another_root_is_skipped_not_marked_there(
     assert step == 1 and torch.equal(restored, state_of(1)["w"])
     assert not (step_dir(other, 5) / "quarantined.json").exists()
     assert CheckpointStorage(str(other)).committed_steps() == [5]
-    assert "is a symbolic link" in caplog.text
+    assert "is a symbolic link" in caplog.text and "is quarantined" not in caplog.text
 
 
-def test_deleting_a_linked_step_removes_the_link_only(tmp_path: Path) -> None:
+def test_deleting_a_linked_step_removes_the_link_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     other = tmp_path / "other-run"
     save_steps(other, (5,))
     before = sorted(path.name for path in step_dir(other, 5).iterdir())
@@ -268,8 +270,10 @@ def test_deleting_a_linked_step_removes_the_link_only(tmp_path: Path) -> None:
     step_dir(root, 5).symlink_to(step_dir(other, 5))
     with CheckpointManager(root, 1, max_to_keep=1, chkpt_on_preemption=False) as manager:
         assert manager.all_steps() == [1, 5]
-        assert manager.save(6, state_of(6))
+        with caplog.at_level(logging.WARNING, logger="ckptmgr"):
+            assert manager.save(6, state_of(6))
         assert manager.all_steps() == [6]
+    assert f"is a symbolic link (to {step_dir(other, 5)})" in caplog.text  # (its data stays)
     assert sorted(path.name for path in step_dir(other, 5).iterdir()) == before
     assert not [path for path in root.iterdir() if path.is_symlink()]
 
