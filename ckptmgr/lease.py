@@ -664,7 +664,8 @@ def _read(fs: AbstractFileSystem, path: str) -> Owner | None:
 
 def _read_file(fs: AbstractFileSystem, path: str) -> bytes:
     """The bytes of ``path``, read fresh. On a local disk with the system calls themselves:
-    four, where fsspec's ``cat_file`` makes eleven, each a hand-over of the GIL with a
+    five (:func:`~ckptmgr.local_files.read_regular_file`, which refuses a FIFO or a device
+    there), where fsspec's ``cat_file`` makes eleven, each a hand-over of the GIL with a
     Python-bound training loop (the lease is read before every deletion by retention). On S3
     as one ranged GET: s3fs' ``cat_file`` of a whole file asks its size first (a HEAD)."""
     if type(fs) is not LocalFileSystem:
@@ -672,7 +673,7 @@ def _read_file(fs: AbstractFileSystem, path: str) -> bytes:
         if is_s3_class(type(fs)):
             return _read_s3_file(fs, path)
         return bytes(fs.cat_file(path))
-    return read_regular_file(path)  # (a FIFO or a device there: refused, not waited on)
+    return read_regular_file(path)
 
 
 def _read_s3_file(fs: AbstractFileSystem, path: str) -> bytes:

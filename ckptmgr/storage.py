@@ -1218,7 +1218,7 @@ def _is_no_record(error: OSError, path: str) -> bool:
     """True where reading the local record ``path`` failed with ``error`` because what is there
     can never be one: a directory, a FIFO, a socket or a device, a link that loops or leads
     nowhere (a record deleted meanwhile is no damage, and a permission is no damage either)."""
-    if isinstance(error, (NotRegularFileError, IsADirectoryError)):
+    if isinstance(error, NotRegularFileError):
         return True
     if error.errno in (errno.ELOOP, errno.ENXIO):
         return True
