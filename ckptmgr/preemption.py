@@ -240,8 +240,20 @@ class SignalWatcher:
         that this one passes signals on to it."""
         for signum, previous in list(self._previous.items()):
             if signal.getsignal(signum) == self._handle:
+                previous = _past_closed_watchers(signum, previous)
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
                 self._previous.pop(signum, None)
+
+
+def _past_closed_watchers(signum: signal.Signals, handler: _Handler) -> _Handler:
+    """``handler``, or where it is the handler of a watcher closed while this one was on top of
+    it (managers closed in the order they were made), the first handler below that is not: the
+    closed one only passes signals on, and would otherwise stay installed after both closed."""
+    watcher = getattr(handler, "__self__", None)
+    while isinstance(watcher, SignalWatcher) and watcher._closed and handler == watcher._handle:
+        handler = watcher._previous.pop(signum, None)
+        watcher = getattr(handler, "__self__", None)
+    return handler
 
 
 def build_watchers(config: PreemptionConfig, board: NoticeBoard) -> list[Watcher]:

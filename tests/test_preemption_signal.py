@@ -180,7 +180,8 @@ import signal, sys, tempfile
 from ckptmgr import CheckpointManager, PreemptionConfig
 
 seen = []
-signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("before"))
+before = lambda signum, frame: seen.append("before")
+signal.signal(signal.SIGTERM, before)
 config = PreemptionConfig(gce=False, aws=False, azure=False, tpu=False)
 first = CheckpointManager(tempfile.mkdtemp(), 10, preemption=config)
 second = CheckpointManager(tempfile.mkdtemp(), 10, preemption=config)  # on top of the first
@@ -188,6 +189,7 @@ first.close()  # the second still calls the first's handler, as the one before i
 signal.raise_signal(signal.SIGTERM)
 print("after a SIGTERM: second notified", second._preemption.notified, "before ran", seen)
 second.close()
+print("both closed: the handler before is back", signal.getsignal(signal.SIGTERM) is before)
 
 def chaining(signum, frame):  # a library's handler, installed after ours, that calls ours
     seen.append("library")
@@ -209,14 +211,16 @@ def test_a_closed_managers_handler_under_a_later_one_passes_signals_on(tmp_path:
     """A manager closed while a later handler sits on top of its own (a second manager made
     while it was open, or a library that calls the handler before it) cannot take its handler
     out: it passes signals on to the handler before it. It forgot that one and re-sent the
-    signal to the process, which called it again: RecursionError for one SIGTERM."""
+    signal to the process, which called it again: RecursionError for one SIGTERM. Once the
+    later one closes too, the handler before both is back (the closed one was left installed)."""
     from conftest import run_python
 
     result = run_python(CLOSE_ORDER_CHILD, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "after a SIGTERM: second notified True before ran ['before']", lines
-    assert lines[1] == "library handler ran ['library']", lines
+    assert lines[1] == "both closed: the handler before is back True", lines
+    assert lines[2] == "library handler ran ['library']", lines
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
