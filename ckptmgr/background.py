@@ -150,7 +150,8 @@ class BackgroundWriter:
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._errors: list[CheckpointError] = []
         self._lock = threading.Lock()
-        self._refusing = False  # shutdown() has begun: no job is taken (see submit)
+        # shutdown() calls under way or done: while there is one, no job is taken (see submit)
+        self._shutdowns = 0
         # A writer dropped without shutdown() (a manager never closed) lets its thread end.
         weakref.finalize(self, self._worker.stop).atexit = False
 
@@ -187,7 +188,7 @@ class BackgroundWriter:
                 future.set_result(None)
 
         with self._lock:  # (so that shutdown() waits for this job, or this call refuses it)
-            refused = self._refusing
+            refused = self._shutdowns > 0
             if not refused:
                 # Queued first: if an exception interrupts this call in between, the save still
                 # runs (a future listed but never queued would make wait() hang).
@@ -268,16 +269,17 @@ class BackgroundWriter:
 
     def shutdown(self) -> None:
         """Refuse new jobs, wait for the queued ones and stop the worker thread. Interrupted
-        while it waits (Ctrl-C), it takes jobs again, and may be called again."""
+        while it waits (Ctrl-C), it takes jobs again (unless another call is under way), and
+        may be called again."""
         with self._lock:
-            self._refusing = True
+            self._shutdowns += 1
         try:
             self.wait()
             self._worker.stop()
             self._worker.join()
         except BaseException:  # (a job queued now cancels the stop: the worker serves on)
             with self._lock:
-                self._refusing = False
+                self._shutdowns -= 1
             raise
 
 

@@ -140,6 +140,39 @@ def test_a_shutdown_interrupted_while_it_joins_the_thread_takes_jobs_again() -> 
     assert not writer_threads()
 
 
+def test_jobs_stay_refused_while_another_shutdown_waits_though_one_was_interrupted() -> None:
+    # close() from two threads at once, one of them interrupted (Ctrl-C) while it waited: the
+    # interrupted one took jobs again while the other went on shutting down, so a save got in
+    # (to commit after that close() released the lease, or to keep its join() waiting).
+    writer = BackgroundWriter()
+    release = threading.Event()
+    writer.submit("held", lambda: release.wait(EXIT_TIMEOUT_S))
+    real_wait = writer.wait
+    other_waits = threading.Event()
+
+    def wait() -> None:
+        if threading.current_thread() is threading.main_thread():
+            assert other_waits.wait(EXIT_TIMEOUT_S)
+            raise KeyboardInterrupt  # Ctrl-C while this close() waits for the saves
+        other_waits.set()
+        real_wait()
+
+    writer.wait = wait  # type: ignore[method-assign]
+    other = threading.Thread(target=writer.shutdown)
+    other.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            writer.shutdown()
+        ran: list[str] = []
+        with pytest.raises(CheckpointError, match="late was refused"):
+            writer.submit("late", lambda: ran.append("job"), cleanup=lambda: ran.append("cleanup"))
+        assert ran == ["cleanup"]
+    finally:
+        release.set()
+        other.join(EXIT_TIMEOUT_S)
+    assert not other.is_alive() and not writer_threads()
+
+
 def test_close_while_another_thread_saves_returns_and_refuses_the_later_saves(
     tmp_path: Path,
 ) -> None:
