@@ -12,7 +12,9 @@ DCP keeps those plans in dicts on the ``SavePlanner`` class, under the planner's
 ``_cached_plans_key`` (its class name by default: every planner of a process would share them,
 and a plan made for one writer would be handed to another). :class:`SavePlanCache` gives each
 manager a key of its own and forgets its plans when a save fails (so that no rank keeps a plan
-the others dropped: every rank learns of a failed save) and when the manager closes.
+the others dropped: every rank learns of a failed save) and when the manager closes. DCP takes a
+local plan for the kept one when its items' names, shapes and chunks are the same: a rank whose
+tensors changed dtype alone sends its plan anyway (:meth:`_SavePlanner.create_local_plan`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,19 @@ class _SavePlanner(DefaultSavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
+        plan = self._create_local_plan()
+        if getattr(self, "_enable_plan_caching", False) and not plan.usable:
+            kept_plan = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+            if kept_plan is not None and not _same_dtypes(self.plan, kept_plan):
+                # DCP took the plan for the kept one: it compares names, shapes and chunks, not
+                # dtypes, and the coordinator would have written the kept plan's dtypes in the
+                # metadata (a tensor that became int32 restored as the float32 of its bits). Sent
+                # as a changed plan, it is kept once the save's planning is through, as DCP does.
+                self._pending_local_plan = self.plan
+                return self.plan
+        return plan
+
+    def _create_local_plan(self) -> SavePlan:
         kept = self._write_items
         if kept is None:
             return super().create_local_plan()
@@ -90,6 +105,20 @@ class _SavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return find_item_tensor(self.state_dict, index)
+
+
+def _same_dtypes(plan: SavePlan, other: SavePlan) -> bool:
+    """True where the items of two plans of the same length have the same dtypes, one by one
+    (what DCP's comparison of a plan with the kept one leaves out)."""
+    return all(
+        _dtype(item) == _dtype(other_item)
+        for item, other_item in zip(plan.items, other.items, strict=True)
+    )
+
+
+def _dtype(item: Any) -> torch.dtype | None:
+    data = item.tensor_data
+    return None if data is None else data.properties.dtype
 
 
 def _flat(state_dict: dict[str, Any]) -> bool:

@@ -692,6 +692,8 @@ PLANS_SEQUENCE: list[tuple[int, str, bool]] = [
     (9, "reshard", False),
     (10, "reshard", False),
     (11, "base", False),
+    (12, "dtypes", False),
+    (13, "dtypes", False),
 ]
 
 
@@ -713,11 +715,16 @@ def scenario_plans(rank: int, ckpt_dir: str) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(step)  # (the same on both ranks)
         rows = 48 if kind == "both" else 64
         placements = [Replicate()] if kind == "reshard" else [Shard(0)]
+        dt = torch.randn(rows, 300, generator=generator)
+        r_size = 40 if kind not in ("base", "dtypes") and rank == 1 else 30
         state: dict[str, Any] = {
-            "dt": distribute_tensor(torch.randn(rows, 300, generator=generator), mesh, placements),
+            "dt": distribute_tensor(dt, mesh, placements),
             "big": torch.full((20_000,), float(step)),
-            "r": PerRank(torch.arange(40 if kind != "base" and rank == 1 else 30) + 1000 * rank),
+            "r": PerRank(torch.arange(r_size) + 1000 * rank),
         }
+        if kind == "dtypes":  # base's names and shapes, other dtypes (DCP's plans compare none)
+            state["dt"] = distribute_tensor(dt.to(torch.bfloat16), mesh, placements)
+            state["big"] = torch.full((20_000,), step, dtype=torch.int32)
         if kind == "both":
             state["dt2"] = distribute_tensor(
                 torch.randn(10, 2000, generator=generator).double(), mesh, [Shard(1)]

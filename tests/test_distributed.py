@@ -455,7 +455,8 @@ def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
     kept between saves (ckptmgr.save_plans, ckptmgr.write_items, ckptmgr.metadata_file,
     ckptmgr.kept_results): a rank whose plan is
     unchanged sends none, a rank whose plan changed
-    alone sends its own, a DTensor resharded (Shard(0) to Replicate and back) is planned anew, a
+    alone sends its own, a DTensor resharded (Shard(0) to Replicate and back) is planned anew, so
+    are tensors whose dtypes changed alone (names and shapes the same: DCP compares no dtype), a
     write failing on rank 1 fails the save on both and both drop what they kept; every
     committed step restores bit for bit."""
     from _dist_worker import PLANS_SEQUENCE
@@ -466,7 +467,7 @@ def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
     # rank 0 pickles .metadata anew only from storage_meta in the second save of a structure
     # (every restore below reads it back); rank 1 writes none
     reused = [save["metadata_reused"] for save in records[0]["saves"]]
-    assert reused == [0, 3, 0, 3, 0, 0, 0, 0, 0, 3, 0], reused
+    assert reused == [0, 3, 0, 3, 0, 0, 0, 0, 0, 3, 0, 0, 3], reused
     assert {save["metadata_reused"] for save in records[1]["saves"]} == {0}
     # a rank whose write results are those it last sent sends only its checksum report
     # (ckptmgr.kept_results): rank 0's own items stay in place when rank 1's change (step 3),
@@ -474,10 +475,10 @@ def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
     sent = {
         rank: [save["results_unchanged_sent"] for save in records[rank]["saves"]] for rank in (0, 1)
     }
-    assert sent[0] == [0, 1, 2, 3, 3, 4, 4, 4, 4, 5, 5], sent
-    assert sent[1] == [0, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3], sent
+    assert sent[0] == [0, 1, 2, 3, 3, 4, 4, 4, 4, 5, 5, 5, 6], sent
+    assert sent[1] == [0, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 4], sent
     kept = [save["results_reused"] for save in records[0]["saves"]]
-    assert kept == [0, 2, 1, 2, 0, 1, 0, 0, 0, 2, 0], kept
+    assert kept == [0, 2, 1, 2, 0, 1, 0, 0, 0, 2, 0, 0, 2], kept
     for rank, record in records.items():
         where = f"rank {rank}"
         for save, (step, _, fails) in zip(record["saves"], PLANS_SEQUENCE, strict=True):

@@ -77,10 +77,17 @@ def tensor_state(seed: int, layout: str) -> dict[str, Any]:
     """A few tensors of more than 1 MiB, ~500 small ones (packed), an empty one, a plain value.
 
     ``layout="base"`` is the layout of the first saves; ``"changed"`` has other shapes for the
-    same keys (the big ones with the same byte counts, transposed) and an added key.
+    same keys (the big ones with the same byte counts, transposed) and an added key; ``"dtypes"``
+    has base's keys and shapes, the big ones in other dtypes (two of the same item size).
     """
     gen = torch.Generator().manual_seed(seed)
-    if layout == "base":
+    if layout == "dtypes":  # (DCP's kept plans compare names and shapes, not dtypes)
+        big = {
+            "big_f32": random_tensor((1024, 512), torch.int32, gen),
+            "big_bf16": random_tensor((1024, 1024), torch.float16, gen),
+            "big_i64": random_tensor((160_000,), torch.float32, gen),
+        }
+    elif layout == "base":
         big = {
             "big_f32": random_tensor((1024, 512), torch.float32, gen),  # 2 MiB
             "big_bf16": random_tensor((1024, 1024), torch.bfloat16, gen),  # 2 MiB
@@ -93,7 +100,7 @@ def tensor_state(seed: int, layout: str) -> dict[str, Any]:
             "big_i64": random_tensor((400, 400), torch.int64, gen),
             "added_big": random_tensor((768, 1024), torch.float16, gen),  # 1.5 MiB, a new key
         }
-    shift = 0 if layout == "base" else 3
+    shift = 3 if layout == "changed" else 0
     small: dict[str, torch.Tensor] = {}
     for index in range(N_SMALL):
         dtype = SMALL_DTYPES[index % len(SMALL_DTYPES)]
@@ -105,7 +112,7 @@ def tensor_state(seed: int, layout: str) -> dict[str, Any]:
             shape = (2, index % 5 + 1 + shift)
         small[f"t{index:03d}"] = random_tensor(shape, dtype, gen)
     state: dict[str, Any] = {**big, "small": small, "empty": torch.empty(0, 4), "seed": seed}
-    if layout != "base":
+    if layout == "changed":
         state["small"]["added_small"] = random_tensor((9,), torch.int16, gen)
     return state
 
@@ -320,7 +327,8 @@ class SingleRun:
 
 
 # (step, layout, join right after save_async); steps 3 and 4 go back to back (4 waits for 3's
-# staging slot); step 5 changes every shape and adds keys, step 6 goes back.
+# staging slot); step 5 changes every shape and adds keys, step 6 goes back, step 7 changes the
+# big tensors' dtypes alone, step 8 goes back.
 SINGLE_RUN_STEPS: list[tuple[int, str, bool]] = [
     (1, "base", True),
     (2, "base", True),
@@ -328,6 +336,8 @@ SINGLE_RUN_STEPS: list[tuple[int, str, bool]] = [
     (4, "base", True),
     (5, "changed", True),
     (6, "base", True),
+    (7, "dtypes", True),
+    (8, "base", True),
 ]
 
 

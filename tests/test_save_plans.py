@@ -23,8 +23,10 @@ BIG = PACK_MAX_TENSOR_BYTES // 4 + 1  # float32 items of a tensor that is not pa
 
 
 def structure(kind: int, step: int) -> dict[str, Any]:
-    """States of two structures (kind 1 and 2: a tensor more, another of another shape), with
-    small tensors (packed) beside the large ones, values depending on ``step``."""
+    """States of four structures (kind 1; 2: a tensor more, another of another shape; 3: the
+    large tensors' dtypes changed to others of their item sizes, names and shapes the same; 4:
+    one to a dtype of another item size), with small tensors (packed) beside the large ones,
+    values depending on ``step``."""
     state: dict[str, Any] = {
         "w": torch.arange(BIG, dtype=torch.float32) + step,
         "h": torch.full((BIG,), step, dtype=torch.float16),
@@ -33,6 +35,11 @@ def structure(kind: int, step: int) -> dict[str, Any]:
     if kind == 2:
         state["extra"] = torch.arange(BIG * 2, dtype=torch.int64) * step
         state["w"] = torch.arange(BIG + 7, dtype=torch.float32) - step
+    if kind == 3:
+        state["w"] = torch.arange(BIG, dtype=torch.int32) + step
+        state["h"] = torch.full((BIG,), step + 0.5, dtype=torch.bfloat16)
+    if kind == 4:
+        state["w"] = torch.arange(BIG, dtype=torch.float64) / 3 + step
     return state
 
 
@@ -57,7 +64,8 @@ def assert_equal(actual: dict[str, Any], expected: dict[str, Any]) -> None:
             assert got.dtype == want.dtype and torch.equal(got, want), key
 
 
-PLAN = [(1, 1), (2, 1), (3, 2), (4, 2), (5, 1)]  # (step, structure): hits, a change, back
+# (step, structure): hits, a change, back; dtypes changed (DCP's plans compare no dtype), back
+PLAN = [(1, 1), (2, 1), (3, 2), (4, 2), (5, 1), (6, 3), (7, 3), (8, 4), (9, 1)]
 
 
 def metadata_of(root: Path, step: int) -> Any:
