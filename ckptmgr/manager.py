@@ -1139,7 +1139,7 @@ class CheckpointManager:
         state is created first. Raises :class:`StepNotFoundError` for a step that is not
         committed and ``CheckpointError`` when ``state_dict`` has a key the checkpoint lacks.
         Under torch.distributed this is a collective, and it raises on every rank when the
-        state of any rank does not match the checkpoint.
+        state of any rank does not match the checkpoint, or the ranks restore different steps.
         """
         self._check_open()
         step = _checked_step(step)

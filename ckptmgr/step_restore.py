@@ -208,14 +208,22 @@ class StepRestorer:
     def _agree_on_restore(self, step: int, error: Exception | None, group: Any) -> None:
         """Raise on every rank if ``error`` (this rank's, or None) or any other rank's is not
         None, each rank alike ``CorruptCheckpointError`` when any rank found damage; a rank
-        raises its own error where that is of the same kind. Collective under distributed."""
+        raises its own error where that is of the same kind. Every rank raises
+        ``CheckpointError`` where the ranks restore different steps (each rank's state would be
+        filled from its own step). Collective under distributed."""
         failures = self._comm.all_gather(
-            (describe_error(error), isinstance(error, CorruptCheckpointError)), group
+            (step, describe_error(error), isinstance(error, CorruptCheckpointError)), group
         )
-        failed = {rank: text for rank, (text, _) in enumerate(failures) if text is not None}
+        if any(other != step for other, _, _ in failures):
+            steps = ", ".join(f"rank {rank}: {at}" for rank, (at, _, _) in enumerate(failures))
+            raise CheckpointError(
+                f"restore was called for different steps on the ranks ({steps}): every rank "
+                "must restore the same step"
+            ) from error
+        failed = {rank: text for rank, (_, text, _) in enumerate(failures) if text is not None}
         if not failed:
             return
-        damaged = any(corrupt for _, corrupt in failures)
+        damaged = any(corrupt for _, _, corrupt in failures)
         if error is not None and damaged == isinstance(error, CorruptCheckpointError):
             raise _storage_error_as_checkpoint_error(step, error)
         described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())

@@ -555,7 +555,8 @@ def scenario_preempt(rank: int, ckpt_dir: str, out_dir: str) -> dict[str, Any]:
 
 def scenario_mismatch(rank: int, ckpt_dir: str) -> dict[str, Any]:
     """Rank 1 holds one more small plain tensor than rank 0: the ranks' packs would differ, so
-    nothing is packed, and every save still restores bit-exact on both ranks."""
+    nothing is packed, and every save still restores bit-exact on both ranks. Then a restore of
+    another step on each rank."""
     import torch
 
     from ckptmgr import CheckpointManager
@@ -580,6 +581,11 @@ def scenario_mismatch(rank: int, ckpt_dir: str) -> dict[str, Any]:
             fresh = {key: torch.zeros_like(value) for key, value in state_at(step).items()}
             manager.restore(step, fresh)
             record["differences"].append(first_difference(fresh, state_at(step)))
+        # Misuse: a restore of another step on each rank (1 on rank 0, 2 on rank 1) fails on
+        # both before anything is loaded (it filled each rank from its own step).
+        fresh = {key: torch.zeros_like(value) for key, value in state_at(1).items()}
+        _, record["mixed_steps_error"] = _call(lambda: manager.restore(1 + rank, fresh))
+        record["mixed_steps_left"] = all(not value.any() for value in fresh.values())
     return record
 
 

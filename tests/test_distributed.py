@@ -363,12 +363,18 @@ def test_saves_work_again_after_the_fault_is_gone(resume: Launch, dirs: dict[str
 
 def test_ranks_whose_small_tensors_differ_store_them_unpacked(dirs: dict[str, Path]) -> None:
     """When one rank holds a small plain tensor the other lacks, the ranks' packs would differ:
-    sync and async saves then store every tensor on its own, and each restores bit-exact."""
+    sync and async saves then store every tensor on its own, and each restores bit-exact. A
+    restore of another step on each rank fails on both, and loads nothing (it filled each rank
+    from its own step: a state of two steps)."""
     launch = _torchrun("mismatch", dirs["out"], dirs["ckpt"].parent / "mismatch")
     records = launch.checked_records(NPROC)
     for rank, record in records.items():
         assert record["packed"] == [[], [], []], f"rank {rank}"
         assert record["differences"] == [None, None, None], f"rank {rank}"
+        error = record["mixed_steps_error"]
+        assert error is not None and error["is_checkpoint_error"], (rank, error)
+        assert "rank 0: 1, rank 1: 2" in error["message"], (rank, error)
+        assert record["mixed_steps_left"], f"rank {rank}: a restore of mixed steps loaded"
 
 
 def test_a_failed_wait_for_the_devices_on_one_rank_fails_restore_on_both_at_once(
