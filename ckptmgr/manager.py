@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
@@ -368,8 +368,9 @@ class CheckpointManager:
         Returns True iff a checkpoint was committed, False when the interval says not to save or
         the step already has a checkpoint. ``metrics`` (name -> number) and ``metadata`` (any
         JSON document) are stored in the commit record. Raises ``CheckpointError`` when the save
-        fails; nothing is committed then. With ``preemption.exit_after_save``, the preemption
-        checkpoint is followed by ``close()`` and ``SystemExit(128 + signal)``.
+        fails; nothing is committed then, except where a rank is lost after rank 0 committed
+        (rank 0's error says so, and lists the step). With ``preemption.exit_after_save``, the
+        preemption checkpoint is followed by ``close()`` and ``SystemExit(128 + signal)``.
         """
         request = self._request(step, state_dict, force, metrics, metadata, call="save")
         if request is None:
@@ -730,7 +731,17 @@ class CheckpointManager:
             outcome, commit_error = self._commit_and_plan_retention(
                 request, save_id, write_dir, errors, dcp_metadata, written
             )
-        outcome = comm.broadcast(outcome, group)
+        try:
+            outcome = comm.broadcast(outcome, group)
+        except CheckpointError as exc:
+            if not (comm.is_coordinator and outcome.committed):
+                raise
+            # The step is committed (this rank wrote its record) and listed as such; the other
+            # ranks could not be told (one died, say): retention deletes nothing this time.
+            self._list_committed(step, replace(outcome, deleted=[]))
+            raise CheckpointError(
+                f"step {step} is committed, but telling the other ranks so failed: {exc}"
+            ) from exc
         if not outcome.committed:
             self._save_plans.forget()  # (on every rank: none keeps a plan the others dropped)
             if comm.is_coordinator:
@@ -739,6 +750,21 @@ class CheckpointManager:
             error.failure_key = f"save {save_id}"  # type: ignore[attr-defined]  # every rank's
             raise error from (local_error or commit_error)
 
+        self._list_committed(step, outcome)
+        if outcome.deletion_error is not None:  # (the daemon's: it deleted what it could)
+            self._report_failed_deletion(outcome.deletion_error)
+        elif comm.is_coordinator and outcome.deleted and not outcome.deleted_by_daemon:
+            try:
+                self._confirm_lease_before_deleting()
+                pruning.delete_steps(self._storage, outcome.deleted)
+            except CheckpointError as exc:  # step is committed: report at join/next save/close
+                if not comm.distributed:  # (the other ranks cannot know: every rank lists
+                    self._relist_after_failed_deletion(outcome.deleted)  # the same steps)
+                self._report_failed_deletion(exc)
+
+    def _list_committed(self, step: int, outcome: _SaveOutcome) -> None:
+        """List ``step`` as committed and the steps ``outcome`` deletes as gone; a preemption
+        that ``step`` answers is answered."""
         with self._lock:
             self._damaged.discard(step)  # saved anew
             if outcome.listed is not None:  # storage's view, so other writers' changes show
@@ -753,16 +779,6 @@ class CheckpointManager:
         log.info("committed step %d", step)
         if answered_preemption:
             self._log_preemption_answered(step)
-        if outcome.deletion_error is not None:  # (the daemon's: it deleted what it could)
-            self._report_failed_deletion(outcome.deletion_error)
-        elif comm.is_coordinator and outcome.deleted and not outcome.deleted_by_daemon:
-            try:
-                self._confirm_lease_before_deleting()
-                pruning.delete_steps(self._storage, outcome.deleted)
-            except CheckpointError as exc:  # step is committed: report at join/next save/close
-                if not comm.distributed:  # (the other ranks cannot know: every rank lists
-                    self._relist_after_failed_deletion(outcome.deleted)  # the same steps)
-                self._report_failed_deletion(exc)
 
     def _report_failed_deletion(self, error: CheckpointError) -> None:
         """Log a failed deletion of retention's and raise it at the next join, save or close

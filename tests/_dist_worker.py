@@ -486,6 +486,40 @@ def scenario_peer_gone(rank: int, ckpt_dir: str, out_dir: str) -> dict[str, Any]
     return record
 
 
+def scenario_gone_before_outcome(rank: int, ckpt_dir: str, out_dir: str) -> dict[str, Any]:
+    """Rank 1 reports its part of step 2 written, then its process ends before rank 0 tells it
+    the outcome (rank 0 has committed the step): rank 0's save raises, saying the step is
+    committed, and lists it (it reported a failed save, with the step committed in storage)."""
+    import torch
+
+    from ckptmgr import CheckpointManager, collectives
+    from ckptmgr import manager as manager_module
+
+    record: dict[str, Any] = {}
+    manager = CheckpointManager(
+        ckpt_dir, 1, collective_timeout_s=COLLECTIVE_TIMEOUT_S, chkpt_on_preemption=False
+    )
+    state = {"w": torch.arange(10.0)}
+    record["first"] = _call(lambda: manager.save(1, state))
+    if rank == 1:
+        broadcast = collectives.Collectives.broadcast
+
+        def gone_before_the_outcome(self: Any, value: Any, group: Any) -> Any:
+            if isinstance(value, manager_module._SaveOutcome):
+                record.update(gone=True, rank=rank, world_size=2)  # (as main() would)
+                _write_record(out_dir, "gone_before_outcome", rank, record)
+                os._exit(0)  # as a rank whose machine went away
+            return broadcast(self, value, group)
+
+        collectives.Collectives.broadcast = gone_before_the_outcome  # type: ignore[method-assign]
+    started = time.monotonic()
+    record["second"] = _call(lambda: manager.save(2, {"w": torch.arange(10.0) + 2}))[1]
+    record["second_seconds"] = time.monotonic() - started
+    record["all_steps"] = manager.all_steps()
+    record["close"] = _call(manager.close)[1]
+    return record
+
+
 def scenario_raising_policy(rank: int, ckpt_dir: str) -> dict[str, Any]:
     """A save policy that raises on rank 1 alone: the decision of that step must raise on both
     ranks at once (not leave rank 0 in the agreement's collective), and the ranks stay in step."""
@@ -1308,6 +1342,8 @@ def main(argv: list[str]) -> int:
             record.update(scenario_late_failure(rank, *paths))
         elif scenario == "peer_gone":
             record.update(scenario_peer_gone(rank, *paths, out_dir))
+        elif scenario == "gone_before_outcome":
+            record.update(scenario_gone_before_outcome(rank, *paths, out_dir))
         elif scenario == "raising_policy":
             record.update(scenario_raising_policy(rank, *paths))
         elif scenario == "single":

@@ -453,6 +453,27 @@ def test_a_rank_that_is_gone_fails_the_others_calls_with_a_checkpoint_error(
         assert record[f"{name}_seconds"] < COLLECTIVE_TIMEOUT_S / 3, f"{name}: {record}"
 
 
+def test_a_rank_gone_before_the_outcome_leaves_rank_0_listing_the_step_it_committed(
+    dirs: dict[str, Path],
+) -> None:
+    """Rank 1 ends after reporting its part of step 2 written, before rank 0 tells it the
+    outcome. Rank 0 had committed the step, yet its save raised "a broadcast with the other
+    ranks failed" and did not list it: a save reported failed whose step a restarted job
+    restores. Now it raises saying the step is committed, and lists it."""
+    ckpt = dirs["ckpt"].parent / "gone_before_outcome"
+    launch = _torchrun("gone_before_outcome", dirs["out"], ckpt)
+    records = launch.checked_records(NPROC)
+    assert records[1]["first"] == [True, None] and records[1]["gone"]
+    record = records[0]
+    assert record["first"] == [True, None]
+    error = record["second"]
+    assert error is not None and error["is_checkpoint_error"], error
+    assert "step 2 is committed, but telling the other ranks so failed" in error["message"]
+    assert record["second_seconds"] < COLLECTIVE_TIMEOUT_S / 3, record
+    assert record["all_steps"] == [1, 2]
+    assert (ckpt / "step_000000000002" / "commit.json").is_file()
+
+
 @checked_torch_only
 def test_saves_with_kept_plans_restore_through_changes_on_one_rank_and_failures(
     dirs: dict[str, Path],
