@@ -38,12 +38,13 @@ class Collectives:
         timeout = _dt.timedelta(seconds=timeout_s)
         # Only the group's own ranks take part (use_local_synchronization), so managers of
         # disjoint subgroups can be created independently of each other.
-        self.background_group = dist.new_group(
-            ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
-        )
-        self.control_group = dist.new_group(
-            ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
-        )
+        with self._with_the_other_ranks("creating the manager's process groups"):
+            self.background_group = dist.new_group(
+                ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+            )
+            self.control_group = dist.new_group(
+                ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+            )
 
     @property
     def is_coordinator(self) -> bool:

@@ -1174,7 +1174,7 @@ def scenario_open_fails(rank: int, ckpt_dir: str) -> dict[str, Any]:
     rank 1 may not create the root. Each time the failing rank raises its own error and the
     other a ``CheckpointError`` naming it, without waiting for the collective timeout in a
     collective the failed rank never joined; then a manager opens and saves on both ranks
-    (their collectives still paired)."""
+    (their collectives still paired). Last, rank 0 makes a manager that rank 1 does not."""
     import torch
 
     from ckptmgr import CheckpointManager
@@ -1204,6 +1204,15 @@ def scenario_open_fails(rank: int, ckpt_dir: str) -> dict[str, Any]:
     with open_manager(f"{FLAKY_PROTOCOL}://{ckpt_dir}") as manager:
         record["saved"] = _call(lambda: manager.save(1, {"w": torch.arange(4.0)}))
         record["steps"] = _gather(manager.all_steps())
+    if rank == 0:  # last: rank 1 makes no manager (it waits in a barrier of the training's)
+        started = time.monotonic()
+        record["alone"] = _call(
+            lambda: CheckpointManager(
+                ckpt_dir, 1, collective_timeout_s=2.0, chkpt_on_preemption=False
+            )
+        )[1]
+        record["alone_seconds"] = time.monotonic() - started
+    _gather(None)
     return record
 
 

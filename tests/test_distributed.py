@@ -654,7 +654,8 @@ def test_opening_the_root_failing_on_one_rank_raises_on_both_at_once(
     rank 1 may not create the root) raised its error before the start's collective, and the
     other rank waited in it until the collective timeout, then raised gloo's error (a raw
     ``RuntimeError`` or ``DistStoreError``). Now both take part: the failed rank raises its own
-    error, the other a ``CheckpointError`` naming it, and a manager opened next saves."""
+    error, the other a ``CheckpointError`` naming it, and a manager opened next saves. A
+    manager made on one rank only fails with a ``CheckpointError`` too."""
     launch = _torchrun("open_fails", dirs["out"], dirs["ckpt"].parent / "open_fails")
     records = launch.checked_records(NPROC)
     failed = "opening the checkpoint root failed"
@@ -676,6 +677,12 @@ def test_opening_the_root_failing_on_one_rank_raises_on_both_at_once(
             assert "injected on rank 1: may not create" in refused["message"], where
         assert record["saved"] == [True, None], where
         assert record["steps"] == [[1], [1]], where
+    # A manager made on rank 0 alone fails after collective_timeout_s (2 s) with a
+    # CheckpointError, not the bare DistStoreError of creating its process groups.
+    alone = records[0]["alone"]
+    assert alone is not None and alone["is_checkpoint_error"], alone
+    assert "with the other ranks failed" in alone["message"], alone
+    assert records[0]["alone_seconds"] < COLLECTIVE_TIMEOUT_S / 3, records[0]
 
 
 def test_a_failure_one_rank_learns_of_late_is_raised_once_on_each_rank(
