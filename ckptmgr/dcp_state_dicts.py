@@ -312,7 +312,9 @@ def _split_by_group(
     would only map names (:func:`load_optimizer_state_dict`); None elsewhere. Unlike DCP, the
     saved state of a parameter that does not require grad now (frozen after the save, or
     before it and after its state was made) is kept: DCP left it out, and the state of a
-    layer frozen for a while was lost (its moments started afresh once it was unfrozen)."""
+    layer frozen for a while was lost (its moments started afresh once it was unfrozen). A
+    group without parameters is matched by its position, as the others are: DCP's matching
+    gave its hyperparameters none back (the next step raised ``KeyError: 'betas'``)."""
     if not optimizer.state and not loads_with_torchs_load(optimizer):
         # DCP would create the state by taking a step, which torch's own load then replaces
         # with the loaded state whole: only that load may be called without the step
@@ -331,7 +333,7 @@ def _split_by_group(
     split_groups: list[dict[str, Any]] = []
     for group, saved in zip(groups, saved_groups, strict=True):
         own = [next(by_position) for _ in group["params"]]
-        if not own or None in own or not isinstance(saved, dict) or saved.get("params") != own:
+        if None in own or not isinstance(saved, dict) or saved.get("params") != own:
             return None  # (DCP matches groups by the names they hold; an empty one specially)
         for name in own:  # (a frozen parameter's state too: DCP drops it, see the docstring)
             if name in saved_state:

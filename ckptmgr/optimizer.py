@@ -67,7 +67,7 @@ def create_state(
             for param in group["params"]:
                 grads.append((param, param.grad))
                 lacking = param not in optimizer.state and (wanted is None or id(param) in wanted)
-                if lacking and param.requires_grad:
+                if lacking:  # (a frozen parameter too: its saved state is restored)
                     param.grad = torch.zeros_like(param)
                     creating.append(param)
                 else:

@@ -341,7 +341,26 @@ def _patched_load(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     return saved
 
 
-@pytest.mark.parametrize("case", [_an_empty_group, _no_state_and_an_own_load, _patched_load])
+def test_an_empty_group_is_split_by_position_with_its_hyperparameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group without parameters went to DCP's load, which matches groups by the names they
+    hold: the group got none of its saved hyperparameters back (the next step raised
+    ``KeyError: 'betas'``). It is matched by its position now, as the other groups are."""
+    model, optimizer = _trained("adamw")
+    saved = _an_empty_group(model, optimizer)
+    optimizer.param_groups[-1]["lr"] = 0.25  # (changed since the save: the load puts it back)
+    assert dcp_state_dicts._split_by_group(ModuleNames(model), optimizer, saved) is not None
+    calls = Calls(monkeypatch, "set_optimizer_state_dict")
+    dcp_state_dicts.load_optimizer_state_dict(ModuleNames(model), optimizer, saved)
+    assert calls.count == 0
+    expected = {key: value for key, value in saved["param_groups"][-1].items() if key != "params"}
+    empty = optimizer.param_groups[-1]
+    assert {key: value for key, value in empty.items() if key != "params"} == expected
+    assert list(empty["params"]) == []
+
+
+@pytest.mark.parametrize("case", [_no_state_and_an_own_load, _patched_load])
 def test_optimizer_loads_dcp_would_do_more_for_get_its_call(
     case: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

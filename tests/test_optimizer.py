@@ -334,6 +334,27 @@ def own_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return OwnAdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+class Momentum(torch.optim.Optimizer):
+    """An optimizer of a project's own, on torch's Optimizer: SGD with momentum."""
+
+    def __init__(self, params: list[nn.Parameter], lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                buffer = self.state[param].setdefault("buffer", torch.zeros_like(param))
+                buffer.mul_(0.9).add_(param.grad)
+                param.add_(buffer, alpha=-group["lr"])
+
+
+def momentum(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return Momentum(params, lr=5e-2)
+
+
 class CreateStateCalls:
     """The parameters ``create_state`` (the step that makes an optimizer's state) was asked
     to make state for."""
@@ -478,13 +499,19 @@ def test_a_parameter_whose_saved_state_holds_more_than_tensors_gets_its_state_by
             assert torch.equal(got, saved_optimizer.state[saved_param][key]), key
 
 
-@pytest.mark.parametrize("make_optimizer", [adamw, sgd_momentum], ids=["adamw", "sgd"])
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [adamw, sgd_momentum, own_adamw, momentum],
+    ids=["adamw", "sgd", "adamw-subclass", "own-optimizer"],
+)
 def test_the_state_of_a_frozen_parameter_is_restored(
     ckpt_dir: Path, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 ) -> None:
     """A layer frozen (requires_grad=False) after its state was made, for staged fine-tuning:
     its saved state was left out of the restore (as DCP's set_optimizer_state_dict does), so
-    the resumed run's moments started afresh once the layer was unfrozen."""
+    the resumed run's moments started afresh once the layer was unfrozen. So it was for an
+    optimizer not of torch's own (a subclass, or one on torch's Optimizer), whose state is
+    made by a step: the step made none for a parameter that requires no grad."""
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
@@ -517,6 +544,52 @@ def test_the_state_of_a_frozen_parameter_is_restored(
     resumed_params = dict(resumed_model.named_parameters())
     for name, param in model.named_parameters():
         assert torch.equal(param, resumed_params[name]), name
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["fresh", "stepped"])
+@pytest.mark.parametrize("make_optimizer", [torch.optim.AdamW, OwnAdamW], ids=["adamw", "own"])
+def test_an_empty_parameter_group_gets_its_hyperparameters_back(
+    ckpt_dir: Path, live: bool, make_optimizer: type[torch.optim.Optimizer]
+) -> None:
+    """A parameter group with no parameters (a "no weight decay" group of a model without
+    biases): its saved group went through DCP's matching of groups by the names they hold,
+    which gave it none of its hyperparameters back (lr, betas, eps, weight_decay): the next
+    optimizer.step() raised KeyError: 'betas', a new LambdaLR KeyError: 'lr'."""
+
+    def build(empty_lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8, bias=False), nn.Linear(8, 1, bias=False))
+        groups = [
+            {"params": [model[0].weight], "lr": 1e-2, "weight_decay": 0.1},
+            {"params": [], "lr": empty_lr, "weight_decay": 0.0},
+            {"params": [model[1].weight], "lr": 1e-3, "weight_decay": 0.2},
+        ]
+        return model, make_optimizer(groups)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model(torch.randn(2, 4, generator=torch.Generator().manual_seed(1))).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = build(5e-3)
+    step(model, optimizer)
+    resumed_model, resumed_optimizer = build(7e-3)  # (other values, overwritten by restore)
+    if live:
+        step(resumed_model, resumed_optimizer)
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as manager:
+        assert manager.save(1, {"model": model, "optim": optimizer})
+        manager.restore(1, {"model": resumed_model, "optim": resumed_optimizer})
+    assert resumed_optimizer.param_groups == [
+        {**group, "params": list(resumed_group["params"])}
+        for group, resumed_group in zip(
+            optimizer.param_groups, resumed_optimizer.param_groups, strict=True
+        )
+    ]
+    torch.optim.lr_scheduler.LambdaLR(resumed_optimizer, lambda epoch: 1.0)
+    step(model, optimizer)
+    step(resumed_model, resumed_optimizer)
+    for param, resumed in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(param, resumed)
 
 
 def test_an_optimizer_whose_step_needs_a_closure_is_refused_clearly(ckpt_dir: Path) -> None:
