@@ -186,7 +186,9 @@ class SignalWatcher:
         # Closed, or in a forked child (whose manager is unusable: a notice there would only
         # keep the child from dying of a SIGTERM): act as the handler before this one would.
         if self._closed or os.getpid() != self._pid:
-            previous = self._previous.get(signal.Signals(signum))
+            previous = _past_closed_watchers(
+                signal.Signals(signum), self._previous.get(signal.Signals(signum))
+            )
             # Still installed (closed off the main thread): put the handlers back now. Else a
             # handler installed later calls this one, as its previous: pass the signal on.
             on_top = signal.getsignal(signum) == self._handle
@@ -248,10 +250,11 @@ class SignalWatcher:
 def _past_closed_watchers(signum: signal.Signals, handler: _Handler) -> _Handler:
     """``handler``, or where it is the handler of a watcher closed while this one was on top of
     it (managers closed in the order they were made), the first handler below that is not: the
-    closed one only passes signals on, and would otherwise stay installed after both closed."""
+    closed one only passes signals on, and would otherwise stay installed after both closed.
+    (The closed ones keep theirs: a chain that still calls one is passed on as before.)"""
     watcher = getattr(handler, "__self__", None)
     while isinstance(watcher, SignalWatcher) and watcher._closed and handler == watcher._handle:
-        handler = watcher._previous.pop(signum, None)
+        handler = watcher._previous.get(signum)
         watcher = getattr(handler, "__self__", None)
     return handler
 

@@ -176,7 +176,7 @@ def test_close_restores_the_default_sigterm_disposition(ckpt_dir: Path) -> None:
 
 
 CLOSE_ORDER_CHILD = r"""
-import signal, sys, tempfile
+import signal, sys, tempfile, threading
 from ckptmgr import CheckpointManager, PreemptionConfig
 
 seen = []
@@ -190,6 +190,16 @@ signal.raise_signal(signal.SIGTERM)
 print("after a SIGTERM: second notified", second._preemption.notified, "before ran", seen)
 second.close()
 print("both closed: the handler before is back", signal.getsignal(signal.SIGTERM) is before)
+
+first = CheckpointManager(tempfile.mkdtemp(), 10, preemption=config)
+second = CheckpointManager(tempfile.mkdtemp(), 10, preemption=config)
+first.close()
+closing = threading.Thread(target=second.close)  # off the main thread: left installed
+closing.start()
+closing.join()
+seen.clear()
+signal.raise_signal(signal.SIGTERM)  # the first signal puts the handler before back, and reaches it
+print("closed off the main thread: before ran", seen, signal.getsignal(signal.SIGTERM) is before)
 
 def chaining(signum, frame):  # a library's handler, installed after ours, that calls ours
     seen.append("library")
@@ -220,7 +230,8 @@ def test_a_closed_managers_handler_under_a_later_one_passes_signals_on(tmp_path:
     lines = result.stdout.splitlines()
     assert lines[0] == "after a SIGTERM: second notified True before ran ['before']", lines
     assert lines[1] == "both closed: the handler before is back True", lines
-    assert lines[2] == "library handler ran ['library']", lines
+    assert lines[2] == "closed off the main thread: before ran ['before'] True", lines
+    assert lines[3] == "library handler ran ['library']", lines
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
