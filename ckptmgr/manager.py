@@ -1127,6 +1127,32 @@ class CheckpointManager:
                 "in the child."
             )
 
+    # -- PyTorch/XLA's attributes (read-only) -----------------------------------------------------
+    @property
+    def base_path(self) -> str:
+        """The root as given, ending in ``/`` (PyTorch/XLA's attribute; ``config.path``)."""
+        return os.path.join(self.config.path, "")
+
+    @property
+    def save_interval(self) -> int | None:
+        """``config.save_interval`` (PyTorch/XLA's attribute)."""
+        return self.config.save_interval
+
+    @property
+    def max_to_keep(self) -> int:
+        """``config.max_to_keep`` (PyTorch/XLA's attribute)."""
+        return self.config.max_to_keep
+
+    @property
+    def num_of_threads(self) -> int:
+        """``config.num_of_threads`` (PyTorch/XLA's attribute)."""
+        return self.config.num_of_threads
+
+    @property
+    def chkpt_on_preemption(self) -> bool:
+        """``config.chkpt_on_preemption`` (PyTorch/XLA's attribute)."""
+        return self.config.chkpt_on_preemption
+
     # -- listing and restoring -------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         """Committed steps, sorted and unique (an async save appears once it is committed)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,12 @@ def test_positional_call_like_torch_xla(ckpt_dir: Path) -> None:
         assert config.num_of_threads == 1
         assert config.process_group is None
         assert config.chkpt_on_preemption is False
+        # PyTorch/XLA's attributes, read-only
+        assert manager.base_path == str(ckpt_dir) + os.sep
+        assert (manager.save_interval, manager.max_to_keep) == (10, 2)
+        assert (manager.num_of_threads, manager.chkpt_on_preemption) == (1, False)
+        with pytest.raises(AttributeError):
+            manager.save_interval = 5  # type: ignore[misc]
         assert signal.getsignal(signal.SIGTERM) is handler  # no preemption handler installed
         assert save_steps(manager, range(31)) == [0, 10, 20, 30]
         assert manager.all_steps() == [20, 30]
