@@ -38,13 +38,27 @@ class Collectives:
         timeout = _dt.timedelta(seconds=timeout_s)
         # Only the group's own ranks take part (use_local_synchronization), so managers of
         # disjoint subgroups can be created independently of each other.
-        with self._with_the_other_ranks("creating the manager's process groups"):
-            self.background_group = dist.new_group(
+        self.background_group = self._new_group(ranks, timeout)
+        try:
+            self.control_group = self._new_group(ranks, timeout)
+        except BaseException:
+            dist.destroy_process_group(self.background_group)
+            raise
+
+    def _new_group(self, ranks: list[int], timeout: _dt.timedelta) -> dist.ProcessGroup:
+        """A gloo group of ``ranks``; a rendezvous that failed (another rank did not make its
+        manager within the timeout, or died: ``DistStoreError`` and the like) as the
+        ``CheckpointError`` of a failed collective, with torch's error as its cause."""
+        try:
+            return dist.new_group(
                 ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
             )
-            self.control_group = dist.new_group(
-                ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
-            )
+        except dist.DistError as exc:
+            raise CheckpointError(
+                "creating the manager's process groups with the other ranks failed: a rank "
+                "died, or did not make its CheckpointManager within collective_timeout_s "
+                f"({self.timeout_s:g} s): {describe_error(exc)}"
+            ) from exc
 
     @property
     def is_coordinator(self) -> bool:
