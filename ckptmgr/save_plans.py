@@ -94,6 +94,13 @@ class _SavePlanner(DefaultSavePlanner):
                 return self.plan
         return plan
 
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        finished = super().finish_plan(new_plan)
+        pending = self.__dict__.pop("_pending_local_plan", None)
+        if pending is not None:  # (a DCP that keeps its local plans in create_local_plan)
+            SavePlanner._cached_save_plan[self._cached_plans_key] = pending
+        return finished
+
     def _create_local_plan(self) -> SavePlan:
         kept = self._write_items
         if kept is None:
