@@ -54,7 +54,9 @@ def create_state(
     Takes one step with zero gradients for those parameters only (the others have no gradient
     during it, so the step leaves them and their state alone) and every learning rate set to
     0, as ``torch.distributed.checkpoint.state_dict`` does, so that standard optimizers leave
-    the parameters unchanged; the learning rates and the gradients are put back afterwards.
+    the parameters unchanged; the learning rates and the gradients are put back afterwards, and
+    so are those parameters' values (an optimizer whose update does not scale with the learning
+    rate, or applies a weight decay of its own, would have moved them).
     The state it creates is meant to be overwritten by a restore. Does nothing when every such
     parameter has state. Returns the parameters whose state it created.
     """
@@ -78,7 +80,10 @@ def create_state(
                 group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
         if creating:
             with torch.no_grad():
+                values = [param.detach().clone() for param in creating]
                 _step(optimizer)
+                for param, value in zip(creating, values, strict=True):
+                    param.copy_(value)  # (an update that does not scale with the lr moved it)
     finally:
         for group, lr in rates:
             group["lr"] = lr

@@ -592,6 +592,47 @@ def test_an_empty_parameter_group_gets_its_hyperparameters_back(
         assert torch.equal(param, resumed)
 
 
+class DecayingMomentum(Momentum):
+    """Momentum with a weight decay that does not scale with the learning rate."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.mul_(0.999)
+        super().step(closure)
+
+
+def test_making_the_state_by_a_step_leaves_every_parameter_as_it_was(ckpt_dir: Path) -> None:
+    """The state of an optimizer not of torch's own is made by a step at learning rate 0, which
+    left the parameters alone only where the update scales with the learning rate: a weight
+    decay of the optimizer's own moved them (trainable and frozen), and a restore of the
+    optimizer alone left them moved."""
+    from ckptmgr import OptimizerState
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        return model, DecayingMomentum(list(model.parameters()), lr=5e-2)
+
+    model, optimizer = build()
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    model[0].weight.requires_grad_(False)
+    resumed_model, resumed_optimizer = build()
+    resumed_model[0].weight.requires_grad_(False)
+    before = [param.detach().clone() for param in resumed_model.parameters()]
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as manager:
+        assert manager.save(1, {"optim": OptimizerState(model, optimizer)})
+        manager.restore(1, {"optim": OptimizerState(resumed_model, resumed_optimizer)})
+    for param, value in zip(resumed_model.parameters(), before, strict=True):
+        assert torch.equal(param, value)
+    for param, resumed in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        saved = optimizer.state[param]["buffer"]
+        assert torch.equal(resumed_optimizer.state[resumed]["buffer"], saved)
+
+
 def test_an_optimizer_whose_step_needs_a_closure_is_refused_clearly(ckpt_dir: Path) -> None:
     """LBFGS: making its state (a step) raised torch's TypeError ('missing 1 required
     positional argument: closure') out of restore and prime_optimizer."""
