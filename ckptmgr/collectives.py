@@ -6,6 +6,7 @@ with (or deadlock against) collectives the training loop issues on its own group
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,7 +43,8 @@ class Collectives:
         try:
             self.control_group = self._new_group(ranks, timeout)
         except BaseException:
-            dist.destroy_process_group(self.background_group)
+            with contextlib.suppress(Exception):  # (the error raised is the rendezvous')
+                dist.destroy_process_group(self.background_group)
             raise
 
     def _new_group(self, ranks: list[int], timeout: _dt.timedelta) -> dist.ProcessGroup:
