@@ -456,24 +456,36 @@ class RaisingOnRank1AtStep2:
         return True
 
 
+def _manager_after_a_save(ckpt_dir: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """A manager that saved step 1 (on every rank), its state, and a record of that save."""
+    import torch
+
+    from ckptmgr import CheckpointManager
+
+    manager = CheckpointManager(
+        ckpt_dir, 1, collective_timeout_s=COLLECTIVE_TIMEOUT_S, chkpt_on_preemption=False
+    )
+    state = {"w": torch.arange(10.0)}
+    return manager, state, {"first": _call(lambda: manager.save(1, state))}
+
+
+def _gone(out_dir: str, scenario: str, rank: int, record: dict[str, Any]) -> None:
+    """Write this rank's record, then end the process: no close, no goodbye, as a rank whose
+    machine went away."""
+    record.update(gone=True, rank=rank, world_size=2)  # (what main() puts in a record)
+    _write_record(out_dir, scenario, rank, record)
+    os._exit(0)
+
+
 def scenario_peer_gone(rank: int, ckpt_dir: str, out_dir: str) -> dict[str, Any]:
     """Rank 1 saves step 1 with rank 0, then its process ends (its record written first);
     rank 0 then calls should_save, save, save_async and restore: each must fail with a
     CheckpointError (gloo's error its cause), at once, not with gloo's bare RuntimeError."""
     import torch
 
-    from ckptmgr import CheckpointManager
-
-    record: dict[str, Any] = {}
-    manager = CheckpointManager(
-        ckpt_dir, 1, collective_timeout_s=COLLECTIVE_TIMEOUT_S, chkpt_on_preemption=False
-    )
-    state = {"w": torch.arange(10.0)}
-    record["first"] = _call(lambda: manager.save(1, state))
+    manager, state, record = _manager_after_a_save(ckpt_dir)
     if rank == 1:
-        record.update(gone=True, rank=rank, world_size=2)  # (what main() puts in a record)
-        _write_record(out_dir, "peer_gone", rank, record)
-        os._exit(0)  # no close, no goodbye: as a rank whose machine went away
+        _gone(out_dir, "peer_gone", rank, record)
     for name, action in [
         ("save", lambda: manager.save(2, state)),
         ("save_async", lambda: manager.save_async(3, state)),
@@ -492,23 +504,16 @@ def scenario_gone_before_outcome(rank: int, ckpt_dir: str, out_dir: str) -> dict
     committed, and lists it (it reported a failed save, with the step committed in storage)."""
     import torch
 
-    from ckptmgr import CheckpointManager, collectives
+    from ckptmgr import collectives
     from ckptmgr import manager as manager_module
 
-    record: dict[str, Any] = {}
-    manager = CheckpointManager(
-        ckpt_dir, 1, collective_timeout_s=COLLECTIVE_TIMEOUT_S, chkpt_on_preemption=False
-    )
-    state = {"w": torch.arange(10.0)}
-    record["first"] = _call(lambda: manager.save(1, state))
+    manager, _, record = _manager_after_a_save(ckpt_dir)
     if rank == 1:
         broadcast = collectives.Collectives.broadcast
 
         def gone_before_the_outcome(self: Any, value: Any, group: Any) -> Any:
             if isinstance(value, manager_module._SaveOutcome):
-                record.update(gone=True, rank=rank, world_size=2)  # (as main() would)
-                _write_record(out_dir, "gone_before_outcome", rank, record)
-                os._exit(0)  # as a rank whose machine went away
+                _gone(out_dir, "gone_before_outcome", rank, record)
             return broadcast(self, value, group)
 
         collectives.Collectives.broadcast = gone_before_the_outcome  # type: ignore[method-assign]
