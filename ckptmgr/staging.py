@@ -119,6 +119,14 @@ def _placed(offset: int, size: int) -> int:
     return (offset + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
 
 
+def _arena_fits(arena: _Arena, needed: int, pin: bool) -> bool:
+    """True where ``needed`` bytes fit ``arena`` and use at least half of it, and its pinning is
+    the one asked for: an arena to keep for them."""
+    if arena.inherited or arena.pinned != (pin and torch.cuda.is_available()):
+        return False
+    return needed <= arena.size and needed * 2 >= arena.size
+
+
 class _Arena:
     """``size`` bytes of host memory, pinned for CUDA when asked: one anonymous private mapping,
     or with ``shared`` one shared-memory storage (another process can map it: process mode).
@@ -599,15 +607,17 @@ class StagingBuffers:
         self._out = out  # type: ignore[assignment]
 
     def _ensure_arena(self, needed: int, pin: bool) -> None:
-        """Keep the arena if ``needed`` fits and uses at least half of it, else replace it."""
-        arena = self._arena
-        if arena is not None and arena.pinned == (pin and torch.cuda.is_available()):
-            if needed <= arena.size and needed * 2 >= arena.size:
-                return
+        """Keep the arena if ``needed`` fits and uses at least half of it, else replace it (with
+        an idle slot's that fits, where the budget would free that one: see ``_reserve``)."""
+        if self._arena is not None and _arena_fits(self._arena, needed, pin):
+            return
         old = self.nbytes
         self.free()
         if self._pool is not None:
-            self._pool._reserve(self, needed, old)
+            adopted = self._pool._reserve(self, needed, old, pin)
+            if adopted is not None:
+                self._arena = adopted
+                return
         arena = _Arena(needed, pin, self._shared)
         if not arena.pinned:
             arena.touch()  # cudaHostRegister already faulted a pinned arena in
@@ -952,21 +962,33 @@ class StagingPool:
             self._free.append(buffers)
             self._cond.notify_all()
 
-    def _reserve(self, slot: StagingBuffers, needed: int, old: int) -> None:
+    def _reserve(self, slot: StagingBuffers, needed: int, old: int, pin: bool) -> _Arena | None:
         """Called by ``slot`` (in flight, its old arena of ``old`` bytes dropped) before it
-        allocates ``needed`` bytes: keep all slots within the budget."""
+        allocates ``needed`` bytes: keep all slots within the budget. Where an idle slot's arena
+        is freed for the budget and fits ``needed`` (as ``_ensure_arena`` keeps one), it is
+        returned instead, for ``slot`` to stage into: with saves overlapping and a budget for
+        fewer arenas than slots, every save made (and faulted in) a new one."""
         if self.budget_bytes is None:
-            return
+            return None
         budget = self.budget_bytes
+        adopted: _Arena | None = None
         with self._cond:
 
             def others() -> int:
                 return sum(s.nbytes for s in self._all if s is not slot)
 
+            def free_idle(idle: StagingBuffers) -> None:
+                nonlocal adopted
+                arena = idle._arena
+                if adopted is None and arena is not None and _arena_fits(arena, needed, pin):
+                    idle._arena = None  # (taken: not unpinned by free())
+                    adopted = arena
+                idle.free()
+
             if others() + needed > budget:
                 for idle in self._free:  # idle arenas go first: they only save a reallocation
                     if idle is not slot and idle.nbytes:
-                        idle.free()
+                        free_idle(idle)
                     if others() + needed <= budget:
                         break
 
@@ -985,7 +1007,7 @@ class StagingPool:
                 )
                 for idle in self._free:
                     if idle is not slot and others() + needed > budget:
-                        idle.free()
+                        free_idle(idle)
             if needed > budget:
                 log.warning(
                     "staging needs %d bytes, more than staging_budget_bytes=%d; staging anyway "
@@ -993,6 +1015,7 @@ class StagingPool:
                     needed,
                     budget,
                 )
+        return adopted
 
     def _wait_for(self, ready: Callable[[], bool], timeout_s: float | None, what: str) -> bool:
         """Wait on the condition (held) until ``ready()``; False on timeout. Logs long waits."""

@@ -471,6 +471,7 @@ def test_budget_waits_for_in_flight_slot_and_frees_idle_ones() -> None:
     state = {"x": torch.ones(nbytes // 4)}
     first = pool.acquire()
     first.stage(state)
+    first_arena = first._arena
     released = threading.Event()
 
     def release_later() -> None:
@@ -487,7 +488,8 @@ def test_budget_waits_for_in_flight_slot_and_frees_idle_ones() -> None:
     thread.join(timeout=5)
     assert released.is_set() and waited >= 0.2  # back-pressure, not a second copy
     assert torch.equal(staged["x"], torch.full((nbytes // 4,), 2.0))
-    assert first.nbytes == 0  # the idle slot's arena was freed for the budget
+    assert first.nbytes == 0  # the idle slot's arena was freed for the budget ...
+    assert second._arena is first_arena  # ... and, as it fits, staged into (not made anew)
     assert pool.nbytes <= nbytes + 2**16
     pool.release(second)
 
@@ -650,6 +652,7 @@ def test_a_slot_released_during_a_budget_wait_lets_the_waiting_slot_go_on() -> N
     first, second = pool.acquire(timeout_s=1), pool.acquire(timeout_s=1)
     first.stage({"x": torch.full((nbytes // 4,), 1.0)})
     second.stage({"x": torch.full((nbytes // 4,), 2.0)})
+    first_arena = first._arena
     third = pool.acquire(timeout_s=1)
     staged: dict[str, torch.Tensor] = {}
     thread = threading.Thread(
@@ -666,7 +669,8 @@ def test_a_slot_released_during_a_budget_wait_lets_the_waiting_slot_go_on() -> N
     try:
         assert not thread.is_alive(), "the third slot still waits, with `second` in flight"
         assert torch.equal(staged["x"], torch.full((nbytes // 4,), 3.0))
-        assert first.nbytes == 0  # the released slot's arena was freed for the budget
+        assert first.nbytes == 0  # the released slot's arena was freed for the budget ...
+        assert third._arena is first_arena  # ... and, as it fits, staged into
         assert pool.nbytes <= 2.5 * nbytes
     finally:
         pool.release(second)
