@@ -15,11 +15,14 @@ class CheckpointError(Exception):
 class StepNotFoundError(CheckpointError, LookupError):
     """A step was asked for that has no committed checkpoint."""
 
-    def __init__(self, step: int, available: Iterable[int]) -> None:
+    def __init__(self, step: int, available: Iterable[int], detail: str = "") -> None:
+        """``detail``: why, where more is known (a step deleted while it was being read)."""
         self.step = step
         self.available = sorted(available)
+        why = f" ({detail})" if detail else ""
         super().__init__(
-            f"no committed checkpoint for step {step}; available steps: {self.available or 'none'}"
+            f"no committed checkpoint for step {step}{why}; available steps: "
+            f"{self.available or 'none'}"
         )
 
 

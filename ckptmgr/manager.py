@@ -1192,7 +1192,24 @@ class CheckpointManager:
             raise StepNotFoundError(step, known)
         if not isinstance(state_dict, MutableMapping):
             raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__qualname__}")
-        self._restorer.restore(step, state_dict)
+        try:
+            self._restorer.restore(step, state_dict)
+        except Exception as exc:  # on every rank alike (restore is collective), so is this:
+            listed = self._listed_after_failure()
+            if listed is not None and step not in listed:  # another job's retention, say
+                raise StepNotFoundError(
+                    step, listed, "it was deleted while it was being restored"
+                ) from exc
+            raise
+
+    def _listed_after_failure(self) -> list[int] | None:
+        """The committed steps as storage lists them now (see :meth:`_list_from_storage`), or
+        None where listing fails too (the failure at hand is then the one raised)."""
+        try:
+            return self._list_from_storage()
+        except CheckpointError as exc:
+            log.warning("could not list the steps after a failed restore: %s", exc)
+            return None
 
     def restore_latest(self, state_dict: Mapping[str, Any]) -> int | None:
         """Restore the newest committed step that is intact; returns it, or None if there is none.
@@ -1216,19 +1233,17 @@ class CheckpointManager:
             tried.add(step)
             try:
                 self.restore(step, state_dict)
-            except Exception as exc:  # on every rank alike (restore is collective), so is this:
-                if step not in self._list_from_storage():  # another job's retention deleted it
-                    log.warning(
-                        "step %d was deleted while it was being restored (%s); trying the "
-                        "newest step left",
-                        step,
-                        exc,
-                    )
-                    continue
-                if isinstance(exc, CorruptCheckpointError):
-                    self._quarantine(step, exc)
-                    continue
-                raise
+            except StepNotFoundError as exc:  # another job's retention deleted it meanwhile
+                log.warning(
+                    "step %d was deleted while it was being restored (%s); trying the newest "
+                    "step left",
+                    step,
+                    exc.__cause__ or exc,
+                )
+                continue
+            except CorruptCheckpointError as exc:  # (on every rank alike: restore is collective)
+                self._quarantine(step, exc)
+                continue
             return step
         log.warning("no intact committed checkpoint under %s", self.config.path)
         return None
@@ -1293,16 +1308,27 @@ class CheckpointManager:
         committed, quarantined = storage.listed_steps()
         if step not in committed and step not in quarantined:
             raise StepNotFoundError(step, committed)
-        record = storage.read_record(step)
-        problems = storage.verify_files(storage.step_path(step), record, deep=deep)
-        if deep and not problems and any(entry.path == ".metadata" for entry in record.files):
+        try:
+            record = storage.read_record(step)
+            problems = storage.verify_files(storage.step_path(step), record, deep=deep)
+            if deep and not problems and any(entry.path == ".metadata" for entry in record.files):
+                try:
+                    dcp_io.read_metadata_file(storage.fs, storage.step_path(step))
+                except CorruptCheckpointError as exc:
+                    raise CorruptCheckpointError(
+                        f"step {step} is damaged: {exc}", path=".metadata", step=step
+                    ) from exc
+            raise_problems(problems, step)
+        except CheckpointError as exc:  # deleted meanwhile (another job's retention), or not
             try:
-                dcp_io.read_metadata_file(storage.fs, storage.step_path(step))
-            except CorruptCheckpointError as exc:
-                raise CorruptCheckpointError(
-                    f"step {step} is damaged: {exc}", path=".metadata", step=step
+                committed, quarantined = storage.listed_steps()
+            except Exception:  # (the failure at hand is the one raised)
+                committed, quarantined = [step], []
+            if step not in committed and step not in quarantined:
+                raise StepNotFoundError(
+                    step, committed, "it was deleted while it was being checked"
                 ) from exc
-        raise_problems(problems, step)
+            raise
 
 
 def _build_policy(config: CheckpointConfig) -> retention.RetentionPolicy | None:

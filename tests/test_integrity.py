@@ -430,6 +430,47 @@ def test_restore_latest_of_a_reader_finds_the_writers_newer_steps(root: str) -> 
     assert CheckpointStorage(root).quarantined_steps() == []
 
 
+def deleted_once_its_record_is_read(monkeypatch: pytest.MonkeyPatch, doomed: int) -> list[int]:
+    """Make ``doomed`` be deleted (as by another job's retention) once its commit record is read,
+    before its files are (which a remote restore starts reading right after the record), once;
+    the list returned then holds it."""
+    original_read_record = CheckpointStorage.read_record
+    deleted: list[int] = []
+
+    def read_record_then_a_deletion(self: CheckpointStorage, step: int) -> CommitRecord:
+        record = original_read_record(self, step)
+        if step == doomed and not deleted:
+            deleted.append(step)
+            self.fs.rm(self.step_path(step), recursive=True)
+        return record
+
+    monkeypatch.setattr(CheckpointStorage, "read_record", read_record_then_a_deletion)
+    return deleted
+
+
+@pytest.mark.parametrize("call", ["restore", "verify"])
+def test_a_step_deleted_while_it_is_read_is_not_found_not_damaged(
+    root: str, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """A step another job deleted while restore or verify read it (an evaluator reading with
+    read_only beside the training job) raised CorruptCheckpointError ("step 1 is damaged: ...
+    missing") or DCP's errors: a false alarm of damage. StepNotFoundError says it is gone."""
+    with manager(root) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_of(step))
+    deleted = deleted_once_its_record_is_read(monkeypatch, 2)
+    with reader(root) as follower:
+        with pytest.raises(StepNotFoundError, match=r"step 2 \(it was deleted while it was be"):
+            if call == "restore":
+                follower.restore(2, empty_state())
+            else:
+                follower.verify(2, deep=True)
+        assert deleted == [2]
+        if call == "restore":
+            assert follower.all_steps() == [1]
+    assert CheckpointStorage(root).quarantined_steps() == []
+
+
 def test_a_step_deleted_while_restore_latest_reads_it_is_skipped_not_quarantined(
     root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -439,17 +480,7 @@ def test_a_step_deleted_while_restore_latest_reads_it_is_skipped_not_quarantined
     with manager(root) as mgr:
         for step in (1, 2):
             mgr.save(step, state_of(step))
-    original_read_record = CheckpointStorage.read_record
-    deleted: list[int] = []
-
-    def read_record_then_a_deletion(self: CheckpointStorage, step: int) -> CommitRecord:
-        record = original_read_record(self, step)
-        if step == 2 and not deleted:  # another job's retention, between the record and the
-            deleted.append(step)  # files (which a remote restore starts reading right after it)
-            self.fs.rm(self.step_path(step), recursive=True)
-        return record
-
-    monkeypatch.setattr(CheckpointStorage, "read_record", read_record_then_a_deletion)
+    deleted = deleted_once_its_record_is_read(monkeypatch, 2)
     with manager(root) as mgr:
         state = empty_state()
         assert mgr.restore_latest(state) == 1
