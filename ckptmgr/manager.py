@@ -1190,26 +1190,34 @@ class CheckpointManager:
             known = set(self._committed)
         if step not in known:
             raise StepNotFoundError(step, known)
-        if not isinstance(state_dict, MutableMapping):
-            raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__qualname__}")
+        deleted = self._restore_step(step, _mutable(state_dict), unlisted_raises=False)
+        if deleted is not None:
+            listed, failure = deleted
+            raise StepNotFoundError(
+                step, listed, "it was deleted while it was being restored"
+            ) from failure
+
+    def _restore_step(
+        self, step: int, state_dict: MutableMapping[str, Any], *, unlisted_raises: bool
+    ) -> tuple[list[int], Exception] | None:
+        """Restore ``step``: None once restored; where it failed because the step was deleted
+        meanwhile (another job's retention, say: storage no longer lists it), the steps storage
+        lists and the failure. Any other failure is raised; where listing fails too, the listing's
+        error with ``unlisted_raises`` (nothing then is known of the step), else the failure."""
         try:
             self._restorer.restore(step, state_dict)
         except Exception as exc:  # on every rank alike (restore is collective), so is this:
-            listed = self._listed_after_failure()
-            if listed is not None and step not in listed:  # another job's retention, say
-                raise StepNotFoundError(
-                    step, listed, "it was deleted while it was being restored"
-                ) from exc
+            listed: list[int] | None = None
+            try:
+                listed = self._list_from_storage()
+            except CheckpointError as listing_error:
+                if unlisted_raises:
+                    raise listing_error from exc
+                log.warning("could not list the steps after a failed restore: %s", listing_error)
+            if listed is not None and step not in listed:
+                return listed, exc
             raise
-
-    def _listed_after_failure(self) -> list[int] | None:
-        """The committed steps as storage lists them now (see :meth:`_list_from_storage`), or
-        None where listing fails too (the failure at hand is then the one raised)."""
-        try:
-            return self._list_from_storage()
-        except CheckpointError as exc:
-            log.warning("could not list the steps after a failed restore: %s", exc)
-            return None
+        return None
 
     def restore_latest(self, state_dict: Mapping[str, Any]) -> int | None:
         """Restore the newest committed step that is intact; returns it, or None if there is none.
@@ -1223,6 +1231,7 @@ class CheckpointManager:
         collective, and every rank restores (or quarantines) the same steps.
         """
         self._check_open()
+        target = _mutable(state_dict)
         self._writer.wait()
         tried: set[int] = set()
         while True:
@@ -1232,17 +1241,17 @@ class CheckpointManager:
             step = left[-1]
             tried.add(step)
             try:
-                self.restore(step, state_dict)
-            except StepNotFoundError as exc:  # another job's retention deleted it meanwhile
+                deleted = self._restore_step(step, target, unlisted_raises=True)
+            except CorruptCheckpointError as exc:  # (on every rank alike: restore is collective)
+                self._quarantine(step, exc)
+                continue
+            if deleted is not None:  # another job's retention deleted it meanwhile
                 log.warning(
                     "step %d was deleted while it was being restored (%s); trying the newest "
                     "step left",
                     step,
-                    exc.__cause__ or exc,
+                    deleted[1],
                 )
-                continue
-            except CorruptCheckpointError as exc:  # (on every rank alike: restore is collective)
-                self._quarantine(step, exc)
                 continue
             return step
         log.warning("no intact committed checkpoint under %s", self.config.path)
@@ -1337,6 +1346,13 @@ def _build_policy(config: CheckpointConfig) -> retention.RetentionPolicy | None:
     if config.max_to_keep > 0:
         policies.append(retention.KeepLatest(config.max_to_keep))
     return retention.combine(policies)
+
+
+def _mutable(state_dict: Any) -> MutableMapping[str, Any]:
+    """``state_dict``, a ``MutableMapping`` (restore fills it), else ``CheckpointError``."""
+    if not isinstance(state_dict, MutableMapping):
+        raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__qualname__}")
+    return state_dict
 
 
 def _checked_step(step: Any) -> int:

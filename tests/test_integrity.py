@@ -491,6 +491,33 @@ def test_a_step_deleted_while_restore_latest_reads_it_is_skipped_not_quarantined
     assert CheckpointStorage(root).quarantined_steps() == []
 
 
+def test_restore_latest_quarantines_nothing_where_the_listing_after_a_failure_fails(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step deleted while restore_latest read it, and then storage's listing failing: whether
+    the step is gone or damaged is not known, so the listing's error is raised and nothing is
+    quarantined (a marker written into the deleted step would bring its directory back)."""
+    with manager(root) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_of(step))
+    deleted = deleted_once_its_record_is_read(monkeypatch, 2)
+    original_committed_steps = CheckpointStorage.committed_steps
+
+    def listing_fails_after_the_deletion(self: CheckpointStorage) -> list[int]:
+        if deleted:
+            raise OSError("injected: the listing failed")
+        return original_committed_steps(self)
+
+    monkeypatch.setattr(CheckpointStorage, "committed_steps", listing_fails_after_the_deletion)
+    with manager(root) as mgr:
+        with pytest.raises(CheckpointError, match="could not list the steps"):
+            mgr.restore_latest(empty_state())
+        assert mgr._damaged == set()
+    monkeypatch.undo()
+    assert not step_exists(root, 2)
+    assert CheckpointStorage(root).quarantined_steps() == []
+
+
 def test_a_read_only_restore_latest_skips_a_damaged_step_without_marking_it(root: str) -> None:
     """read_only writes nothing to storage: a damaged step is skipped and no longer listed by
     that manager, but not quarantined in storage."""
