@@ -982,7 +982,7 @@ class StagingPool:
                 arena = idle._arena
                 if adopted is None and arena is not None and _arena_fits(arena, needed, pin):
                     idle._arena = None  # (taken: not unpinned by free())
-                    adopted = arena
+                    adopted = slot._arena = arena  # (counted as the slot's while it waits)
                 idle.free()
 
             if others() + needed > budget:
