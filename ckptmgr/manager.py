@@ -1179,7 +1179,8 @@ class CheckpointManager:
         with ``load_state_dict`` get it called. Modules and optimizers are loaded as DCP's
         ``set_model_state_dict``/``set_optimizer_state_dict`` load them; an optimizer's missing
         state is created first. Raises :class:`StepNotFoundError` for a step that is not
-        committed and ``CheckpointError`` when ``state_dict`` has a key the checkpoint lacks.
+        committed (or that another job deleted while it was read) and ``CheckpointError`` when
+        ``state_dict`` has a key the checkpoint lacks.
         Under torch.distributed this is a collective, and it raises on every rank when the
         state of any rank does not match the checkpoint, or the ranks restore different steps.
         """
