@@ -131,6 +131,7 @@ def split_for_load(
             )
     except RuntimeError as exc:  # (looked for only then: no cost to a restore that works)
         _refuse_uninitialized(destinations, exc)
+        check_all_restorable(destinations)  # (a sparse one has no nbytes)
         raise
     # A destination on the meta device holds no data (a copy into it does nothing): the ones
     # loaded on their own are looked at, and of the packed ones those of a run on a device

@@ -71,16 +71,47 @@ def check_all_storable(tensors: Mapping[str, torch.Tensor]) -> None:
 
 def check_all_restorable(tensors: Mapping[str, torch.Tensor]) -> None:
     """Raise ``CheckpointError`` naming the first of ``tensors`` (name -> destination of a
-    restore) that cannot be written to: an efficient zero tensor, which is immutable. Run where
-    a restore failed, so that the error names the destination rather than torch's internals
-    (asking every destination up front would cost each restore a torch call per tensor)."""
+    restore) that cannot be written to in place: an efficient zero tensor (immutable), a sparse,
+    nested or other tensor that is not strided (no dense memory to fill), an inference tensor
+    outside ``torch.inference_mode`` (torch refuses in-place writes to it), or a tensor whose
+    elements share memory (an ``expand()``-ed one). Run where a restore failed, so that the
+    error names the destination rather than torch's internals (asking every destination up
+    front would cost each restore a torch call per tensor)."""
     for name, tensor in tensors.items():
-        if tensor._is_zerotensor():
-            raise CheckpointError(
-                f"cannot restore into {name!r}: it is an efficient zero tensor (what "
-                f"forward-mode AD makes), which is immutable; restore into an ordinary tensor "
-                f"(tensor.clone() makes one)"
+        reason = _unwritable(tensor)
+        if reason is not None:
+            raise CheckpointError(f"cannot restore into {name!r}: {reason}")
+
+
+def _unwritable(tensor: torch.Tensor) -> str | None:
+    """Why a restore cannot fill ``tensor`` in place, or None (also where asking fails)."""
+    try:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's part
+        if local.layout != torch.strided or local.is_nested:
+            kind = "nested" if local.is_nested else str(local.layout).removeprefix("torch.")
+            return (
+                f"it is a {kind} tensor, which has no dense memory to fill; restore into a "
+                "dense tensor (tensor.to_dense()) and convert it afterwards"
             )
+        if local._is_zerotensor():
+            return (
+                "it is an efficient zero tensor (what forward-mode AD makes), which is "
+                "immutable; restore into an ordinary tensor (tensor.clone() makes one)"
+            )
+        if local.is_inference() and not torch.is_inference_mode_enabled():
+            return (
+                "it is an inference tensor (made under torch.inference_mode()), which torch "
+                "does not let be written to outside inference mode; make the model outside "
+                "inference mode, or restore into tensor.clone()"
+            )
+        if torch._debug_has_internal_overlap(local) == 1:  # (MemOverlap::Yes)
+            return (
+                "several of its elements share memory (an expand()-ed tensor, say); restore "
+                "into a tensor of its own memory (tensor.contiguous() makes one)"
+            )
+    except Exception:  # (a tensor of a kind this cannot ask: torch's own error stands)
+        return None
+    return None
 
 
 _IS_META = operator.attrgetter("is_meta")

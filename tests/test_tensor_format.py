@@ -732,6 +732,52 @@ def test_an_efficient_zero_tensor_destination_is_refused_by_name(tmp_path: Path,
     assert_bit_equal(target, saved)
 
 
+def _inference_zeros(shape: torch.Size) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.zeros(shape)
+
+
+UNWRITABLE_DESTINATIONS: dict[str, tuple[Callable[[torch.Size], torch.Tensor], str]] = {
+    "expanded": (
+        lambda shape: torch.zeros([1] * len(shape)).expand(shape),
+        "several of its elements share memory",
+    ),
+    "sparse": (lambda shape: torch.zeros(shape).to_sparse(), "it is a sparse_coo tensor"),
+    "inference": (_inference_zeros, "it is an inference tensor"),
+}
+
+
+@pytest.mark.parametrize("key", ["packed_key_under_test", "big"], ids=["packed", "alone"])
+@pytest.mark.parametrize("kind", list(UNWRITABLE_DESTINATIONS))
+def test_a_destination_that_cannot_be_written_in_place_is_refused_by_name(
+    tmp_path: Path, key: str, kind: str
+) -> None:
+    """A destination torch cannot fill in place (elements sharing memory, no dense memory, an
+    inference tensor outside inference mode) failed with torch's message naming no key ("more
+    than one element of the written-to tensor refers to a single memory location", "nbytes is
+    not defined for sparse tensors"...), a sparse one as a bare RuntimeError. It raises
+    CheckpointError naming the key, and the same step then restores into an ordinary tensor.
+    (An inference tensor stored alone is read into straight, without torch's check: it is
+    filled.)"""
+    make, reason = UNWRITABLE_DESTINATIONS[kind]
+    saved = packed_state()
+    with manager(tmp_path) as mgr:
+        assert mgr.save(1, saved)
+        target = zeros_like_state(saved)
+        target[key] = make(saved[key].shape)
+        if kind == "inference" and key == "big":
+            mgr.restore(1, target)
+            assert_bit_equal(target, saved)
+            return
+        with pytest.raises(CheckpointError) as caught:
+            mgr.restore(1, target)
+        assert f"cannot restore into '{key}': {reason}" in str(caught.value)
+        assert not isinstance(caught.value, CorruptCheckpointError)  # the checkpoint is fine
+        target[key] = torch.ones(saved[key].shape)
+        mgr.restore(1, target)
+    assert_bit_equal(target, saved)
+
+
 def test_bytes_of_an_efficient_zero_tensor_are_written_as_zeros_and_never_read_at_0() -> None:
     """A tensor with no memory (an efficient zero tensor: ``data_ptr()`` is 0) had its bytes
     read from address 0 when written to a stream, and a stream read into it there: both
