@@ -42,6 +42,7 @@ import fsspec
 import fsspec.asyn
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from ckptmgr import local_glob
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
@@ -279,6 +280,13 @@ class CheckpointStorage:
                 "delete files of another path that they match; choose a root without them"
             )
         self.is_object_store = is_object_store(self.fs)
+        if self.is_object_store and "//" in self.root:
+            raise CheckpointError(
+                f"checkpoint root {self.url!r} has an empty path segment ('//'): object stores "
+                "and their fsspec file systems disagree on what such a key names (s3fs finds "
+                "none of the objects it wrote under 'bucket//run', so every commit failed after "
+                "the data was uploaded); remove the extra '/'"
+            )
         self.run_local_file_work: Callable[..., Any] = run_here
         """What runs the file work of deleting a local step and of removing an uncommitted
         write (:func:`delete_local_step`, :func:`remove_local_tree`), called as
@@ -288,7 +296,9 @@ class CheckpointStorage:
         protocols = (
             self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         )
-        self.reachable_from_other_processes = "memory" not in protocols
+        self.reachable_from_other_processes = not (
+            "memory" in protocols or isinstance(self.fs, MemoryFileSystem)
+        )
         """False for an in-memory file system: another process sees nothing of it."""
         if create:  # (else read-only use: a root that does not exist lists no steps)
             if self.is_local:

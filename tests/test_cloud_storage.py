@@ -243,6 +243,22 @@ def test_object_names_with_pattern_characters_are_deleted_as_they_are(
         assert reader.all_steps() == [2]
 
 
+@pytest.mark.parametrize("where", ["after the bucket", "inside the path"])
+def test_a_root_with_an_empty_path_segment_is_refused_before_anything_is_written(
+    server: Server, root: str, where: str
+) -> None:
+    """s3://bucket//run was taken: every save uploaded its data, then failed its commit
+    ("CorruptCheckpointError('.metadata was written but storage does not hold it')": s3fs
+    lists none of what it wrote there) and left the uploads behind. A root with '//' is
+    refused when the manager is made, on GCS too (whose keys would begin with '/')."""
+    bucket, _, name = root.partition("://")[2].partition("/")
+    doubled = f"{server.scheme}://{bucket}//{name}" if where == "after the bucket" else root + "//x"
+    with pytest.raises(CheckpointError, match="empty path segment"):
+        manager(doubled, server.storage_options())
+    bucket_root = f"{server.scheme}://{bucket}"
+    assert [key for key in keys_under(server, bucket_root) if name in key] == []
+
+
 # -- what goes over the wire ----------------------------------------------------------------------
 def test_listing_costs_the_same_few_requests_for_2_and_for_8_steps(
     server: Server, root: str, proxy: FaultProxy

@@ -34,6 +34,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pydantic
 import pytest
 import torch
@@ -43,6 +44,7 @@ from _cloud_state import differences as cloud_differences
 from _cloud_state import make_state as make_cloud_state
 from _daemon_faults import HeldRead
 from _process_mode_worker import KILL_STEPS, STEPS
+from fsspec.implementations.memory import MemoryFileSystem
 from test_distributed import torchrun
 from torch import nn
 
@@ -1596,10 +1598,21 @@ def test_the_daemon_side_of_the_pipe_answers_calls_between_requests() -> None:
 
 
 # -- 5. configuration ------------------------------------------------------------------------------
-def test_memory_root_is_refused_in_process_mode() -> None:
+class _RenamedMemoryFileSystem(MemoryFileSystem):
+    """fsspec's in-memory file system under a protocol of its own."""
+
+    protocol = ("renamed-memory",)
+
+
+@pytest.mark.parametrize("scheme", ["memory", "renamed-memory"])
+def test_memory_root_is_refused_in_process_mode(scheme: str) -> None:
+    """An in-memory file system is refused at once, also under a protocol of its own (where
+    every save failed: "commit failed: CorruptCheckpointError('.metadata was written but
+    storage does not hold it')", the daemon having written into its own memory)."""
+    fsspec.register_implementation("renamed-memory", _RenamedMemoryFileSystem, clobber=True)
     with pytest.raises(CheckpointError, match="async_mode"):
         CheckpointManager(
-            f"memory://process-mode-{uuid.uuid4().hex}",
+            f"{scheme}://process-mode-{uuid.uuid4().hex}",
             1,
             async_mode="process",
             chkpt_on_preemption=False,
