@@ -53,6 +53,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 
@@ -329,6 +330,7 @@ class OwnerLease:
         self.previous: Owner | None = None
         """The record this handle replaced when it acquired (a dead, stale or displaced owner)."""
         self._holding: _Holding | None = None
+        self._dropped: weakref.finalize | None = None  # gives the holding back, once
 
     @property
     def owner(self) -> Owner | None:
@@ -366,6 +368,11 @@ class OwnerLease:
                 if holding is not None:
                     holding.users += 1
                     self._holding = holding
+                    # A handle dropped without release() (a manager never closed, garbage
+                    # collected) gives its use back: else the root stayed owned, its heartbeat
+                    # beating, until the process ended. Not at exit: a dead owner is taken over.
+                    self._dropped = weakref.finalize(self, _give_back, self.fs, holding)
+                    self._dropped.atexit = False
                     return holding.owner
             assert unjudged is not None
             self._watch_heartbeat(unjudged)  # outside the lock: raises if it lives
@@ -520,24 +527,9 @@ class OwnerLease:
         """Give the lease back: delete the record if it is still ours. Idempotent. In a forked
         child of the holding process it only forgets the holding: the lease is the parent's."""
         holding, self._holding = self._own_holding(), None
-        if holding is None:
-            return
-        with _HOLDINGS_LOCK:
-            holding.users -= 1
-            if holding.users > 0:
-                return
-            if _HOLDINGS.get(holding.key) is holding:  # the key it was registered under
-                del _HOLDINGS[holding.key]
-        holding.stop()
-        if holding.lost is not None:
-            return
-        try:
-            with _record_lock(self.fs, self.path):  # not a take-over written in between
-                current = _read(self.fs, self.path)
-                if current is not None and current.lease_id == holding.owner.lease_id:
-                    self.fs.rm_file(self.path)
-        except Exception as exc:  # a dead-owner record is taken over by the next job anyway
-            log.warning("could not release the owner lease %s: %s", self.path, exc)
+        if holding is not None:
+            assert self._dropped is not None  # (set with the holding)
+            self._dropped()  # (a weakref.finalize runs its function at most once)
 
     def __enter__(self) -> OwnerLease:
         self.acquire()
@@ -545,6 +537,29 @@ class OwnerLease:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+def _give_back(fs: AbstractFileSystem, holding: _Holding) -> None:
+    """One handle's release of ``holding``: the last user of the process stops its heartbeat
+    and deletes the record if it is still ours. Nothing in a forked child (the parent's)."""
+    if holding.pid != os.getpid():
+        return
+    with _HOLDINGS_LOCK:
+        holding.users -= 1
+        if holding.users > 0:
+            return
+        if _HOLDINGS.get(holding.key) is holding:  # the key it was registered under
+            del _HOLDINGS[holding.key]
+    holding.stop()
+    if holding.lost is not None:
+        return
+    try:
+        with _record_lock(fs, holding.path):  # not a take-over written in between
+            current = _read(fs, holding.path)
+            if current is not None and current.lease_id == holding.owner.lease_id:
+                fs.rm_file(holding.path)
+    except Exception as exc:  # a dead-owner record is taken over by the next job anyway
+        log.warning("could not release the owner lease %s: %s", holding.path, exc)
 
 
 def confirm_owner(fs: AbstractFileSystem, path: str, lease_id: str) -> None:

@@ -7,13 +7,16 @@ without TORCHELASTIC_RUN_ID/SLURM_JOB_ID/CKPTMGR_JOB_ID is the process itself).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -314,6 +317,38 @@ def test_close_releases_and_managers_of_one_process_share(root: Path) -> None:
     with manager(root, leftover_grace_s=0) as again:
         assert again.all_steps() == [1, 2]
         assert sorted(os.listdir(root)) == [LEASE_NAME, "step_000000000001", "step_000000000002"]
+
+
+def _lease_threads() -> list[str]:
+    return [
+        thread.name for thread in threading.enumerate() if thread.name.startswith("ckptmgr-lease")
+    ]
+
+
+@pytest.mark.parametrize("async_mode", ["thread", "process"])
+def test_managers_dropped_without_close_give_the_root_back(
+    root: Path, children: list[ManagerChild], async_mode: str
+) -> None:
+    """A manager garbage-collected without close() held the root for the rest of the process
+    (its lease's record kept beating): another job was refused ("owned by another job ...
+    heartbeat 0.2 s ago"). The last manager of the process that is dropped gives it back."""
+    first = manager(root, async_mode=async_mode)
+    second = manager(root, async_mode=async_mode)
+    assert first.save_async(2, {"w": torch.ones(2)})
+    first.join()
+    dropped = weakref.ref(first)
+    del first
+    gc.collect()
+    assert dropped() is None
+    assert owner_pid(root) == os.getpid()  # the other manager of the process still holds it
+    assert _lease_threads()
+    del second
+    gc.collect()
+    assert not (root / LEASE_NAME).exists()
+    assert _lease_threads() == []
+    children.append(ManagerChild(root))  # another job takes the root: saves step 1
+    assert children[0].send("save 3") == "saved 3"
+    assert owner_pid(root) == children[0].proc.pid
 
 
 def test_lease_settings_are_validated(root: Path) -> None:
