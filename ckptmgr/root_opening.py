@@ -10,6 +10,7 @@ failed rank never joins.
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
 from ckptmgr.collectives import Collectives
@@ -95,7 +96,17 @@ def _list_as_coordinator(
         storage.fs, storage.root, timeout_s=config.lease_timeout_s, take_over=config.take_over
     )
     try:  # (a storage operation: retried on a transient error, as every other)
-        storage.call(f"acquire the owner lease of {config.path}", lease.acquire)
+        try:
+            storage.call(f"acquire the owner lease of {config.path}", lease.acquire)
+        except FileNotFoundError as exc:  # (writing an object: its bucket is missing)
+            if not storage.is_object_store:
+                raise
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"cannot write the owner lease of {config.path}: its bucket does not exist "
+                f"(the store answered 'not found': {exc}); ckptmgr creates no bucket",
+                lease.path,
+            ) from exc
         return lease, storage.sweep_and_list(config.leftover_grace_s)
     except BaseException:
         lease.release()

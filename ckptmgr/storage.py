@@ -308,7 +308,8 @@ class CheckpointStorage:
                     raise NotADirectoryError(
                         errno.ENOTDIR, "the checkpoint root is not a directory", self.root
                     ) from exc
-            else:
+            elif not self.is_object_store:  # (no directories there: s3fs' makedirs would
+                # create a missing bucket, a mistyped name's included)
                 self.call(f"create {self.root}", self.fs.makedirs, self.root, exist_ok=True)
 
     def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

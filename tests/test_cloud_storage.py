@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import uuid
 from pathlib import Path
 
 import fsspec
@@ -257,6 +258,18 @@ def test_a_root_with_an_empty_path_segment_is_refused_before_anything_is_written
         manager(doubled, server.storage_options())
     bucket_root = f"{server.scheme}://{bucket}"
     assert [key for key in keys_under(server, bucket_root) if name in key] == []
+
+
+def test_a_missing_bucket_is_named_and_not_created(server: Server) -> None:
+    """A root in a bucket that does not exist (a typo): on S3 the manager created the bucket
+    (s3fs' makedirs does, with the caller's rights and default settings); on GCS it raised a
+    FileNotFoundError whose whole text was the upload's URL. Now neither store gets a bucket,
+    and the error says the bucket is missing."""
+    url = f"{server.scheme}://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
+    with pytest.raises(FileNotFoundError, match="its bucket does not exist"):
+        manager(url, server.storage_options())
+    storage = CheckpointStorage(server.root("x"), server.storage_options(), create=False)
+    assert not storage.fs.exists(url.partition("://")[2].partition("/")[0])
 
 
 # -- what goes over the wire ----------------------------------------------------------------------
