@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptmgr import dcp_io, packing, pruning, retention
+from ckptmgr import dcp_io, packing, pruning, retention, tensor_bytes
 from ckptmgr._version import __version__
 from ckptmgr.background import BackgroundWriter, FailureHandover, result_of
 from ckptmgr.bootstrap_guard import refuse_while_bootstrapping
@@ -587,6 +587,7 @@ class CheckpointManager:
                 "but never saves"
             )
         step = _checked_step(step)
+        force = _checked_force(force)
         if not self._comm.distributed:
             checked_metrics = _checked_metrics(metrics)
             checked_metadata = _checked_metadata(metadata)
@@ -825,7 +826,8 @@ class CheckpointManager:
             packed, placed = self._save_packer.pack(tensors, self._pack_filter)
             fingerprint = self._save_packer.fingerprint
         except Exception:  # every rank must reach the agreement; this one stores unpacked
-            log.exception("packing small tensors failed; storing each on its own")
+            if _all_storable(tensors):  # (else the write refuses the one that is not, by name)
+                log.exception("packing small tensors failed; storing each on its own")
             packed, placed = tensors, {}
         if self._comm.distributed and not self._packs_agree(
             self._comm.all_gather(fingerprint, group)
@@ -1356,6 +1358,27 @@ def _mutable(state_dict: Any) -> MutableMapping[str, Any]:
     if not isinstance(state_dict, MutableMapping):
         raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__qualname__}")
     return state_dict
+
+
+def _checked_force(force: object) -> bool:
+    """``force`` as a bool: True, False, or a 0-d bool of numpy or torch (``step == last``
+    with a numpy step); "no", 0.0 and None, read as saving or not, are refused alike."""
+    if isinstance(force, bool):
+        return force
+    dtype = getattr(force, "dtype", None)
+    if str(dtype) in ("bool", "torch.bool") and getattr(force, "shape", None) == ():
+        return bool(force)
+    raise ValueError(f"force must be True or False, got {force!r}")
+
+
+def _all_storable(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """False when one of ``tensors`` is of a kind that cannot be stored (see
+    :func:`tensor_bytes.check_storable`)."""
+    try:
+        tensor_bytes.check_all_storable(tensors)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _checked_step(step: Any) -> int:

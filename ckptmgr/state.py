@@ -182,7 +182,13 @@ class _Flattener:
                 return
             value = self.training.adapt(value)
             if is_stateful(value):
-                value = value.state_dict()
+                owner, value = value, value.state_dict()
+                if isinstance(value, torch.Tensor):
+                    raise CheckpointError(
+                        f"cannot checkpoint {path!r}: its state_dict() "
+                        f"({type(owner).__qualname__}) returned a tensor, not a dict; return "
+                        "one that holds the tensor ({'value': tensor})"
+                    )
             if not isinstance(value, (dict, list, tuple)):
                 self._add_plain(value, path)
                 return

@@ -465,6 +465,39 @@ def test_bad_step_raises_value_error(ckpt_dir: Path, step: Any) -> None:
         assert mgr.all_steps() == [0]
 
 
+@pytest.mark.parametrize("force", ["yes", "no", 1, 0.0, None])
+def test_a_force_that_is_not_a_bool_is_refused(ckpt_dir: Path, force: Any) -> None:
+    """force="no" (or 0.0) saved like force=True would not: every value but True and False
+    raises ValueError, and nothing is saved."""
+    with CheckpointManager(ckpt_dir, save_interval=10, chkpt_on_preemption=False) as mgr:
+        for call in (mgr.save, mgr.save_async):
+            with pytest.raises(ValueError, match="force must be True or False"):
+                call(1, make_state(1), force=force)
+        mgr.join()
+        assert mgr.all_steps() == []
+        assert mgr.save(1, make_state(1), force=torch.tensor(True))  # a 0-d bool is one
+        assert mgr.all_steps() == [1]
+
+
+class _TensorStateful:
+    """An object whose state_dict() returns a tensor, not a dict."""
+
+    def state_dict(self) -> torch.Tensor:
+        return torch.ones(2)
+
+    def load_state_dict(self, state: Any) -> None:
+        raise AssertionError("not called")
+
+
+def test_an_object_whose_state_dict_is_a_tensor_is_refused_saying_so(ckpt_dir: Path) -> None:
+    """The error said the value at 'o' was "of type Tensor" and that tensors can be saved;
+    it says what the object's state_dict() returned."""
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as mgr:
+        with pytest.raises(CheckpointError, match=r"'o': its state_dict\(\) \(_TensorStateful\) "):
+            mgr.save(1, {"o": _TensorStateful(), "w": torch.ones(2)})
+        assert mgr.all_steps() == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
@@ -1092,18 +1125,20 @@ def _unstorable(kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["quantized", "sparse_coo", "sparse_csr", "meta", "nested"])
 @pytest.mark.parametrize("call", ["save", "save_async"])
 def test_a_tensor_whose_bytes_are_not_its_value_is_refused_by_name(
-    tmp_path: Path, kind: str, call: str
+    tmp_path: Path, kind: str, call: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A quantized tensor was stored as its integers alone and restored with the destination's
     scale and zero point (silently wrong values); sparse and meta tensors failed with torch's
     own errors (save_async: a bare NotImplementedError), and so did nested tensors (torch's
     "NestedTensorImpl doesn't support sizes"). Each now raises ``CheckpointError`` naming the
-    key, nothing is committed, and the next save of a good state commits."""
+    key, nothing is committed, and the next save of a good state commits. (save's packing of
+    a nested one failed first, logged at ERROR level with torch's traceback: not any more.)"""
     small = {f"small/{i}": torch.full((4,), float(i)) for i in range(40)}  # (packed)
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as manager:
         with pytest.raises(CheckpointError, match=r"cannot checkpoint 'odd': .*" + kind[:6]):
             getattr(manager, call)(1, {"odd": _unstorable(kind), "w": torch.ones(2), **small})
             manager.join()
+        assert "packing small tensors failed" not in caplog.text
         assert manager.all_steps() == []
         getattr(manager, call)(2, {"odd": torch.ones(8), "w": torch.ones(2), **small})
         manager.join()
