@@ -49,8 +49,9 @@ _TABLES = RecordTableCache()
 the layout (the very object kept in the daemon) and DCP's entries are unchanged."""
 
 
-_READERS: dict[str, pruning.RecordReader] = {}
-"""In the process that commits: by root, what retention knows of the steps' records there."""
+_READERS: dict[str, tuple[int, pruning.RecordReader]] = {}
+"""In the process that commits: by root, what retention knows of the steps' records there, with
+the :attr:`DaemonRetention.commits_elsewhere` it was read under."""
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,18 @@ class DaemonRetention:
     """Retention right after a :class:`DaemonCommit`, in the same process: ``policy`` (made of
     ckptmgr's own policies only: :func:`ckptmgr.retention.is_builtin`) planned over the steps
     listed after the commit, ``being_written`` protected, and the doomed steps deleted once
-    ``confirm_owner`` (None: no lease) found the root still the job's."""
+    ``confirm_owner`` (None: no lease) found the root still the job's.
+
+    ``commits_elsewhere``: how many commits the manager made itself so far (``save()`` commits
+    in the training process). A commit record this process read stays valid while its step is
+    listed, unless the step was deleted and committed again where this process did not see it:
+    the records read are read again when the count changed (a step that retention here deleted,
+    saved again by ``save()``, kept its old metrics, and KeepBest deleted the best step)."""
 
     policy: RetentionPolicy
     being_written: frozenset[int]
     confirm_owner: Callable[[], None] | None
+    commits_elsewhere: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,11 +176,12 @@ class DaemonCommit:
         retention: DaemonRetention,
     ) -> DaemonCommitResult:
         """Retention after the commit of ``committed`` (never raises: the step is committed)."""
-        reader = _READERS.get(self.root)
-        if reader is None:
-            reader = _READERS[self.root] = pruning.RecordReader(
-                CheckpointStorage(self.root, create=False)
-            )
+        known = _READERS.get(self.root)
+        if known is not None and known[0] == retention.commits_elsewhere:
+            reader = known[1]
+        else:
+            reader = pruning.RecordReader(CheckpointStorage(self.root, create=False))
+            _READERS[self.root] = (retention.commits_elsewhere, reader)
         reader.remember(committed)
         done = DaemonCommitResult
         try:

@@ -201,6 +201,9 @@ class CheckpointManager:
             self._storage.run_local_file_work = self._save_process.run_when_idle
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
+        # Commits made in this process (in process mode: save()'s), which the daemon's own
+        # reader of commit records cannot know of (see DaemonRetention.commits_elsewhere)
+        self._commits_here = 0
         self._preemption_claimed: int | None = None
         self._preemption_reached: int | None = None
         # Steps restore_latest found damaged, listed no more even where the quarantine marker
@@ -872,6 +875,7 @@ class CheckpointManager:
             if self._lease is not None:  # a lease found lost while writing: commit nothing
                 self._lease.check()
             self._storage.commit(request.step, write_dir, record)
+            self._commits_here += 1
             if self._policy is not None:  # (without one, no plan reads the records)
                 self._records.remember(
                     retention.CheckpointInfo(record.step, record.committed_at, record.metrics)
@@ -921,7 +925,7 @@ class CheckpointManager:
             return None
         with self._lock:
             being_written = frozenset(self._in_flight | {step})
-        return DaemonRetention(policy, being_written, confirm_owner)
+        return DaemonRetention(policy, being_written, confirm_owner, self._commits_here)
 
     def _after_daemon_commit(
         self, request: _SaveRequest, commit: DaemonCommit, result: DaemonCommitResult

@@ -98,6 +98,29 @@ def test_the_most_recently_committed_step_survives_a_rewind(ckpt_dir: Path) -> N
     assert any("KeepLatest" in r for r in reasons[300])
 
 
+@pytest.mark.parametrize("async_mode", ["thread", "process"])
+def test_a_step_deleted_and_saved_again_is_judged_by_its_new_record(
+    ckpt_dir: Path, async_mode: str
+) -> None:
+    """Retention read each commit record once, taking a record for good while its step stays
+    listed. In process mode the daemon, which plans retention after its commits, kept its
+    own copy of step 2's first record (loss 0.9) after retention deleted the step and save()
+    (committing in the training process) saved it again with loss 0.1: the next save_async
+    deleted the new step 2, the best one. Both modes keep it."""
+    with _manager(
+        ckpt_dir, retention=KeepBest(1, "loss") | KeepLatest(1), async_mode=async_mode
+    ) as manager:
+        for step, loss in ((1, 0.5), (2, 0.9), (3, 0.8)):
+            assert manager.save_async(step, _state(step), metrics={"loss": loss})
+            manager.join()
+        assert _disk_steps(ckpt_dir) == [1, 3]  # (retention deleted 2 after step 3's commit)
+        assert manager.save(2, _state(2), metrics={"loss": 0.1})  # a rewind saves 2 again
+        assert manager.save_async(4, _state(4), metrics={"loss": 0.7})
+        manager.join()
+        assert manager.all_steps() == [2, 4]
+    assert _disk_steps(ckpt_dir) == [2, 4]
+
+
 def test_steps_deleted_by_another_process_leave_the_listing_at_the_next_commit(
     ckpt_dir: Path,
 ) -> None:
