@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, Literal, NamedTuple, Protocol, runtime_checkable
@@ -277,7 +278,7 @@ def plan_retention(
     in_flight = set(being_written)
     newest = _newest(checkpoints)
     parts = _members(policy) if policy is not None else []
-    kept_by = [(_describe(part), part.keep(checkpoints)) for part in parts]
+    kept_by = [(_describe(part), _kept_by(part, checkpoints)) for part in parts]
     decisions = []
     for checkpoint in sorted(checkpoints, key=_step_of):
         step = checkpoint.step
@@ -311,9 +312,35 @@ def plan_deletions(
     parts = _members(policy)
     kept: set[int] = {*being_written, max(checkpoints, key=_commit_order).step}
     for part in parts:
-        kept.update(part.keep(checkpoints))
+        kept.update(_kept_by(part, checkpoints))
     doomed = sorted((c for c in checkpoints if c.step not in kept), key=_step_of)
     return [RetentionDecision(c.step, False, _why_deleted(c, parts)) for c in doomed]
+
+
+def _kept_by(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+    """The steps ``policy`` keeps, as ints; ``TypeError`` (retention then deletes nothing) for
+    what is not a collection of step numbers. Strings ("3") and such were taken for steps kept
+    by none: every step but the newest was deleted."""
+    kept = policy.keep(checkpoints)
+    if type(kept) in (set, frozenset) and set(map(type, kept)) <= {int}:  # (the usual case)
+        return kept  # type: ignore[return-value]
+    try:
+        return {_as_step(step) for step in kept}
+    except TypeError as exc:
+        raise TypeError(
+            f"{_describe(policy)}.keep() must return a set of step numbers (ints); it "
+            f"returned {kept!r:.200}: nothing is deleted"
+        ) from exc
+
+
+def _as_step(value: object) -> int:
+    """``value`` as a step number: an int, a numpy or 0-d torch integer, or an integral float;
+    ``TypeError`` for anything else (a bool, a string)."""
+    if isinstance(value, bool):
+        raise TypeError(f"a bool is not a step: {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return operator.index(value)  # type: ignore[arg-type]
 
 
 def _newest(checkpoints: Sequence[CheckpointInfo]) -> int | None:

@@ -16,6 +16,7 @@ import torch
 
 from ckptmgr import (
     CheckpointConfig,
+    CheckpointInfo,
     CheckpointManager,
     KeepBest,
     KeepEveryNSteps,
@@ -119,6 +120,42 @@ def test_a_step_deleted_and_saved_again_is_judged_by_its_new_record(
         manager.join()
         assert manager.all_steps() == [2, 4]
     assert _disk_steps(ckpt_dir) == [2, 4]
+
+
+class _KeepAsReturned:
+    """A user's policy that keeps the two highest steps, returned as ``convert`` makes them."""
+
+    def __init__(self, convert: object) -> None:
+        self.convert = convert
+
+    def keep(self, checkpoints: list[CheckpointInfo]) -> set[object]:
+        steps = sorted(c.step for c in checkpoints)[-2:]
+        return {self.convert(step) for step in steps}  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("convert", "kept"),
+    [
+        (str, [1, 2, 3, 4]),  # no step numbers: an error, and nothing is deleted
+        (lambda step: step == 4, [1, 2, 3, 4]),
+        (torch.tensor, [3, 4]),  # (0-d integer tensors, as from torch.topk: steps)
+        (float, [3, 4]),
+    ],
+    ids=["str", "bool", "tensor", "float"],
+)
+def test_a_policy_that_keeps_what_is_no_step_number_deletes_nothing(
+    ckpt_dir: Path, convert: object, kept: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user's keep() returning {"3", "4"} (or 0-d tensors) was taken to keep none of the
+    steps: every step but the newest was deleted, with nothing logged. What is not a step
+    number fails the policy (logged; nothing deleted); integral numbers of other types are
+    steps."""
+    with _manager(ckpt_dir, retention=_KeepAsReturned(convert)) as manager:
+        for step in (1, 2, 3, 4):
+            assert manager.save(step, _state(step))
+    assert _disk_steps(ckpt_dir) == kept
+    failed = "must return a set of step numbers" in caplog.text
+    assert failed == (kept == [1, 2, 3, 4])
 
 
 def test_steps_deleted_by_another_process_leave_the_listing_at_the_next_commit(
