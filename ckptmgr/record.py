@@ -124,6 +124,14 @@ class CommitRecord(BaseModel):
     byteorder: Literal["little", "big"] | None = None
     """Byte order of the raw tensor bytes (format 2 and later); None in format 1."""
 
+    @field_validator("committed_at")
+    @classmethod
+    def _committed_at_in_utc(cls, value: _dt.datetime) -> _dt.datetime:
+        """A time without a zone (a record edited by hand) is taken as UTC, as ckptmgr writes
+        it: compared with the others' aware times, it stopped retention for the whole root
+        ("can't compare offset-naive and offset-aware datetimes")."""
+        return value.replace(tzinfo=_dt.timezone.utc) if value.tzinfo is None else value
+
     @field_validator("object_files")
     @classmethod
     def _object_files_inside_step(cls, value: list[str]) -> list[str]:

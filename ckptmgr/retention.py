@@ -115,7 +115,8 @@ class KeepEveryNSeconds(_Composable):
     """Thin by commit time: keep the first step committed in each window of ``seconds``.
 
     Windows start at the commit time of the earliest committed checkpoint, which this policy
-    therefore always keeps, so the windows do not move as other steps are deleted.
+    therefore always keeps, so the windows do not move as retention deletes other steps (they
+    do when that earliest one is deleted otherwise: by hand, or quarantined).
     """
 
     seconds: PositiveSeconds

@@ -18,6 +18,7 @@ from ckptmgr import (
     CheckpointConfig,
     CheckpointInfo,
     CheckpointManager,
+    CommitRecord,
     KeepBest,
     KeepEveryNSteps,
     KeepLatest,
@@ -27,6 +28,7 @@ from ckptmgr import (
     SaveEveryNSeconds,
     SaveFirstStep,
 )
+from ckptmgr.record import record_bytes
 from ckptmgr.storage import CheckpointStorage
 
 
@@ -156,6 +158,25 @@ def test_a_policy_that_keeps_what_is_no_step_number_deletes_nothing(
     assert _disk_steps(ckpt_dir) == kept
     failed = "must return a set of step numbers" in caplog.text
     assert failed == (kept == [1, 2, 3, 4])
+
+
+def test_a_record_whose_commit_time_has_no_zone_is_taken_as_utc(ckpt_dir: Path) -> None:
+    """A commit.json edited by hand (record_bytes) to a committed_at without a zone stopped
+    retention for the whole root: comparing it with the others' times raised TypeError (each
+    later save logged "retention ... failed; nothing deleted", and the root grew). It is
+    read as UTC, as ckptmgr writes times."""
+    with _manager(ckpt_dir) as manager:
+        for step in (1, 2, 3):
+            assert manager.save(step, _state(step))
+    record_path = ckpt_dir / "step_000000000001" / "commit.json"
+    document = json.loads(record_path.read_bytes().rsplit(b',\n "record_crc32"', 1)[0] + b"\n}")
+    document["committed_at"] = "2026-01-01T00:00:00"
+    record_path.write_bytes(record_bytes(document))
+    assert CommitRecord.from_json(record_path.read_bytes()).committed_at.tzinfo is not None
+    with _manager(ckpt_dir, max_to_keep=1) as manager:
+        assert manager.save(4, _state(4))
+        assert manager.all_steps() == [4]
+    assert _disk_steps(ckpt_dir) == [4]
 
 
 def test_steps_deleted_by_another_process_leave_the_listing_at_the_next_commit(
