@@ -33,6 +33,7 @@ from typing import Any, TextIO
 from fsspec.implementations.local import LocalFileSystem
 
 from ckptmgr._version import __version__
+from ckptmgr.cli_lease import holding_the_root
 from ckptmgr.cli_output import (
     Report,
     emit,
@@ -279,6 +280,7 @@ def _add_prune(commands: Subparsers, common: argparse.ArgumentParser) -> None:
         help="keep these steps (repeatable)",
     )
     sub.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
+    _add_force(sub)
     sub.set_defaults(handler=run_prune, subparser=sub)
 
 
@@ -311,7 +313,16 @@ def _add_rm(commands: Subparsers, common: argparse.ArgumentParser) -> None:
         description="Delete committed steps. Nothing is deleted if any STEP is not committed.",
     )
     sub.add_argument("steps", metavar="STEP", type=parse_step, nargs="+")
+    _add_force(sub)
     sub.set_defaults(handler=run_rm)
+
+
+def _add_force(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--force",
+        action="store_true",
+        help="delete although a running job owns the root (its owner lease is not taken)",
+    )
 
 
 # -- entry point -----------------------------------------------------------------------------
@@ -787,9 +798,10 @@ def run_prune(args: argparse.Namespace) -> int:
     }
     failure = None
     if not args.dry_run and retention_plan.doomed:
-        report["deleted"], failure = delete_with_progress(
-            storage, retention_plan.doomed, delete_steps
-        )
+        with holding_the_root(storage, "prune", force=args.force):
+            report["deleted"], failure = delete_with_progress(
+                storage, retention_plan.doomed, delete_steps
+            )
     emit(report, args.json, render_prune)
     if failure is not None:  # (after the report of what was deleted)
         raise failure
@@ -871,9 +883,10 @@ def run_rm(args: argparse.Namespace) -> int:
     for step in steps:
         if step not in committed:
             raise StepNotFoundError(step, committed)
-    deleted, failure = delete_with_progress(
-        storage, steps, functools.partial(delete_steps, purpose="rm")
-    )
+    with holding_the_root(storage, "rm", force=args.force):
+        deleted, failure = delete_with_progress(
+            storage, steps, functools.partial(delete_steps, purpose="rm")
+        )
     emit({"root": storage.url, "deleted": deleted}, args.json, render_rm)
     if failure is not None:  # (after the report of what was deleted)
         raise failure

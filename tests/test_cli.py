@@ -551,6 +551,32 @@ def test_rm_refuses_a_missing_step_and_deletes_committed_ones(
     assert not list(root.glob(".deleting-*")), "a finished delete leaves nothing behind"
 
 
+def test_rm_and_prune_refuse_a_root_a_running_job_owns_unless_forced(
+    source: SourceCheckpoint, tmp_path: Path
+) -> None:
+    """rm and prune deleted steps under a running job (the step it would resume from, say):
+    they take the root's owner lease as a manager does, so a root a live job owns is refused
+    and nothing is deleted; --force deletes without it; once the job is gone they delete and
+    give the lease back."""
+    root = copy_root(source, tmp_path)
+    lease_record = root / "owner.json"
+    with CheckpointManager(root, 10, chkpt_on_preemption=False):  # the running job
+        for command in (["rm", str(root), "10"], ["prune", str(root), "--keep-latest", "1"]):
+            refused = run_cli(*command)
+            assert refused.returncode == 1, refused
+            message = one_error_line(refused.stderr)
+            assert f"{root} is owned by a running job" in message and "--force" in message
+            assert committed_steps(root) == sorted(LOSSES)
+        forced = run_cli("rm", str(root), "10", "--force")
+        assert forced.returncode == 0, forced.stderr
+        assert committed_steps(root) == [20, 30, 40, 50]
+        assert json.loads(lease_record.read_text())["pid"] == os.getpid()  # still the job's
+    pruned = run_cli("prune", str(root), "--keep-latest", "1")
+    assert pruned.returncode == 0, pruned.stderr
+    assert committed_steps(root) == [NEWEST_BY_COMMIT_TIME, 50]
+    assert not lease_record.exists()
+
+
 WITHOUT_TORCH = r"""
 import contextlib, io, json, sys
 
