@@ -473,6 +473,9 @@ def run_ls(args: argparse.Namespace) -> int:
 def ls_report(storage: CheckpointStorage, *, include_leftovers: bool) -> Report:
     """The JSON document of ``ckptmgr ls``."""
     steps = [step_summary(storage, step) for step in storage.committed_steps()]
+    if any(row["error"] is not None for row in steps):  # a step deleted while it was read
+        present = set(storage.committed_steps())  # (another job's retention) is not listed
+        steps = [row for row in steps if row["error"] is None or row["step"] in present]
     leftovers = None
     if include_leftovers:
         leftovers = [leftover_summary(storage, leftover) for leftover in storage.leftovers()]
@@ -778,7 +781,13 @@ def run_prune(args: argparse.Namespace) -> int:
     storage = open_storage(args.path, args.storage_option)
     reader = RecordReader(storage)
     retention_plan = plan(combine(policies), reader)
-    infos, _ = reader.infos(retention_plan.listed)
+    infos, unreadable = reader.infos(retention_plan.listed)
+    if unreadable:  # a step deleted while its record was read (by a job's retention) is gone
+        present = set(storage.committed_steps())
+        retention_plan.listed = [step for step in retention_plan.listed if step in present]
+        retention_plan.decisions = [
+            d for d in retention_plan.decisions if d.step not in unreadable or d.step in present
+        ]
     committed_at = {info.step: format_timestamp(info.committed_at) for info in infos}
     report: Report = {
         "root": storage.url,

@@ -26,12 +26,13 @@ import torch
 from conftest import REPO, listed_table, run_python
 from torch import nn
 
-from ckptmgr import CheckpointManager, PerRank, objects
+from ckptmgr import CheckpointManager, PerRank, cli, objects
 from ckptmgr.cli import parse_storage_option
 from ckptmgr.cli_export import NestedState, tensors_for_rank, unescape_key
 from ckptmgr.errors import CheckpointError
 from ckptmgr.record import record_bytes
 from ckptmgr.state import flatten
+from ckptmgr.storage import CheckpointStorage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -575,6 +576,37 @@ def test_rm_and_prune_refuse_a_root_a_running_job_owns_unless_forced(
     assert pruned.returncode == 0, pruned.stderr
     assert committed_steps(root) == [NEWEST_BY_COMMIT_TIME, 50]
     assert not lease_record.exists()
+
+
+@pytest.mark.parametrize("command", ["ls", "prune"])
+def test_a_step_deleted_while_its_record_is_read_is_left_out(
+    source: SourceCheckpoint,
+    tmp_path: Path,
+    command: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Beside a job whose retention deletes as it saves (on GCS and S3 most often), ls listed a
+    step deleted between the listing and the read of its record as "unreadable: commit record
+    ... is gone", and prune as kept, "protected: commit record unreadable". Both leave it out."""
+    root = copy_root(source, tmp_path)
+    read_record = CheckpointStorage.read_record
+
+    def deleted_first(self: CheckpointStorage, step: int, *args: Any, **kwargs: Any) -> Any:
+        if step == 20:  # another job's retention deletes it now
+            shutil.rmtree(root / "step_000000000020", ignore_errors=True)
+        return read_record(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStorage, "read_record", deleted_first)
+    extra = ["--keep-latest", "9", "--dry-run"] if command == "prune" else []
+    assert cli.main([command, str(root), "--json", *extra]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["steps"] if command == "ls" else report["decisions"]
+    assert [row["step"] for row in rows] == [10, 30, 40, 50]
+    if command == "ls":
+        assert all(row["error"] is None for row in rows)
+    else:
+        assert all(row["kept"] for row in rows)
 
 
 WITHOUT_TORCH = r"""
