@@ -67,6 +67,7 @@ from ckptmgr.storage import (
     TMP_PREFIX,
     CheckpointStorage,
     Leftover,
+    is_object_store,
     open_filesystem,
 )
 
@@ -423,6 +424,10 @@ def open_storage(url: str, option_pairs: Sequence[tuple[str, Any]]) -> Checkpoin
     options = dict(option_pairs)
     fs, root = open_filesystem(url, options)  # gcsfs/s3fs with ckptmgr's request retries
     if not fs.exists(root):
+        if is_object_store(fs) and fs.exists(root.split("/", 1)[0]):
+            # An object store has no empty directories: a root whose steps were all deleted
+            # is no prefix of any object, and lists no steps, as an empty local root does.
+            return CheckpointStorage(url, options, create=False)
         raise CheckpointError(f"{url} does not exist")
     if not (fs.isdir(root) or _holds_objects(fs, root)):
         raise CheckpointError(f"{url} is not a directory")

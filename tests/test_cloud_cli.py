@@ -90,3 +90,27 @@ def test_an_object_named_as_the_root_does_not_hide_it(server: Server, root: str)
     storage.fs.pipe_file(storage.root, b"an object of another tool")
     assert [entry["step"] for entry in cli("ls", root, options=options)["steps"]] == [1]
     assert [entry["step"] for entry in cli("verify", root, options=options)["steps"]] == [1]
+
+
+def test_a_root_whose_steps_were_all_deleted_lists_none(server: Server, root: str) -> None:
+    """An object store has no empty directories: after rm of every step the root was no
+    prefix of any object, and ls and prune failed with "does not exist" (status 1) where an
+    emptied local root lists no steps. A root in a bucket that does not exist still fails."""
+    options = server.storage_options()
+    with CheckpointManager(root, 1, chkpt_on_preemption=False, storage_options=options) as mgr:
+        mgr.save(1, make_state(1))
+    assert cli("rm", root, "1", options=options)["deleted"] == [1]
+    assert cli("ls", root, options=options)["steps"] == []
+    assert cli("prune", root, "--keep-latest", "1", options=options)["decisions"] == []
+    flags = [f"-o{key}={value}" for key, value in options.items()]
+    missing = f"{server.scheme}://no-such-bucket-for-cli/run"
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptmgr", "ls", missing, *flags],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore"),
+        check=False,
+    )
+    assert result.returncode == 1 and f"{missing} does not exist" in result.stderr
