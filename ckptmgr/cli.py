@@ -680,11 +680,14 @@ def run_verify(args: argparse.Namespace) -> int:
         steps = [args.step]
     report = verify_report(storage, steps, deep=args.deep, quarantined=quarantined)
     emit(report, args.json, render_verify)
-    damaged = [row["step"] for row in report["steps"] if not row["ok"]]
+    failed = [row for row in report["steps"] if not row["ok"]]
+    damaged = [row["step"] for row in failed if not row["unreadable"]]
+    unreadable = [row["step"] for row in failed if row["unreadable"]]
     if damaged:
         print(f"{PROG}: error: damaged step(s): {damaged}", file=sys.stderr)
-        return EXIT_ERROR
-    return EXIT_OK
+    if unreadable:  # (a permission or network error says nothing of the checkpoint)
+        print(f"{PROG}: error: step(s) that could not be read: {unreadable}", file=sys.stderr)
+    return EXIT_ERROR if failed else EXIT_OK
 
 
 def verify_report(
@@ -723,11 +726,13 @@ def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: 
         "checksums": None,
         "problems": [],
         "error": None,
+        "unreadable": False,
     }
     try:
         record = storage.read_record(step)
     except (CheckpointError, OSError) as error:  # (OSError: unreadable, say no permission)
         row["error"] = one_line(error)
+        row["unreadable"] = not isinstance(error, CorruptCheckpointError)
         return row
     step_path = storage.step_path(step)
     problems = storage.verify_files(step_path, record, deep=deep)

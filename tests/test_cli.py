@@ -609,6 +609,35 @@ def test_a_step_deleted_while_its_record_is_read_is_left_out(
         assert all(row["kept"] for row in rows)
 
 
+def test_verify_tells_a_record_it_may_not_read_from_a_damaged_one(
+    source: SourceCheckpoint,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A record that could not be read for want of permission (credentials without read
+    rights: every step of a bucket) was reported as "damaged step(s)"; it is a step that could
+    not be read, apart from a damaged one."""
+    root = copy_root(source, tmp_path)
+    (root / "step_000000000040" / "commit.json").write_bytes(b"not json")
+    read_record = CheckpointStorage.read_record
+
+    def forbidden(self: CheckpointStorage, step: int, *args: Any, **kwargs: Any) -> Any:
+        if step == 20:
+            raise PermissionError(13, "Forbidden", f"step_{step:012d}/commit.json")
+        return read_record(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStorage, "read_record", forbidden)
+    assert cli.main(["verify", str(root), "--json"]) == 1
+    captured = capsys.readouterr()
+    rows = {row["step"]: row for row in json.loads(captured.out)["steps"]}
+    assert [step for step, row in rows.items() if not row["ok"]] == [20, 40]
+    assert rows[20]["unreadable"] and "Forbidden" in rows[20]["error"]
+    assert not rows[40]["unreadable"]
+    assert "damaged step(s): [40]" in captured.err
+    assert "step(s) that could not be read: [20]" in captured.err
+
+
 WITHOUT_TORCH = r"""
 import contextlib, io, json, sys
 
