@@ -204,6 +204,11 @@ def check_output_path(output: Path) -> None:
     """Fail before any loading if ``output`` cannot be written as a file."""
     if output.is_dir():
         raise CheckpointError(f"{output} is a directory; give the file to write")
+    if output.exists() and not output.is_file():  # (a FIFO, a device such as /dev/null)
+        raise CheckpointError(
+            f"{output} is not a regular file: export writes a new file and renames it over "
+            "the path, which would replace it; give the path of a regular file or a new one"
+        )
     if not output.parent.is_dir():
         raise CheckpointError(f"cannot write {output}: {output.parent} is not a directory")
 
@@ -223,7 +228,7 @@ def write_torch_file(state: Mapping[str, Any], output: Path, expected_bytes: int
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, output)
-    except RuntimeError as error:  # torch.save reports write failures as RuntimeError
+    except (RuntimeError, OSError) as error:  # (torch.save's failed writes: RuntimeError)
         raise CheckpointError(f"cannot write {output}: {one_line(error)}") from error
     finally:
         temporary.unlink(missing_ok=True)

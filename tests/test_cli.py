@@ -14,6 +14,7 @@ import os
 import pty
 import select
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -636,6 +637,22 @@ def test_verify_tells_a_record_it_may_not_read_from_a_damaged_one(
     assert not rows[40]["unreadable"]
     assert "damaged step(s): [40]" in captured.err
     assert "step(s) that could not be read: [20]" in captured.err
+
+
+def test_export_refuses_an_output_that_is_not_a_regular_file(
+    source: SourceCheckpoint, tmp_path: Path
+) -> None:
+    """export renames its new file over OUT.pt: given a FIFO (or, as root, /dev/null) it
+    replaced it with a regular file, exiting 0. Such a path is refused and left as it was."""
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
+    refused = run_cli("export", str(source.root), str(EXPORTED_STEP), str(fifo))
+    assert refused.returncode == 1
+    assert one_error_line(refused.stderr) == (
+        f"ckptmgr: error: {fifo} is not a regular file: export writes a new file and renames "
+        "it over the path, which would replace it; give the path of a regular file or a new one"
+    )
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
 WITHOUT_TORCH = r"""
