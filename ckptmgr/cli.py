@@ -127,6 +127,24 @@ def parse_step(text: str) -> int:
     return step
 
 
+def parse_rank(text: str) -> int:
+    """A rank: a non-negative integer."""
+    try:
+        rank = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a rank must be an integer, got {text!r}") from None
+    if rank < 0:
+        raise argparse.ArgumentTypeError(f"a rank must be >= 0, got {rank}")
+    return rank
+
+
+def parse_root(text: str) -> str:
+    """A checkpoint root: any text but an empty one (which named the working directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("PATH is empty")
+    return text
+
+
 def parse_step_list(text: str) -> list[int]:
     """Comma-separated steps, such as ``1,2,3``."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
@@ -178,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _common_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("path", metavar="PATH", help="checkpoint root: a directory or fsspec URL")
+    common.add_argument(
+        "path", metavar="PATH", type=parse_root, help="checkpoint root: a directory or fsspec URL"
+    )
     common.add_argument(
         "-o",
         "--storage-option",
@@ -299,7 +319,7 @@ def _add_export(commands: Subparsers, common: argparse.ArgumentParser) -> None:
     sub.add_argument("output", metavar="OUT.pt", type=Path, help="local file to write")
     sub.add_argument(
         "--rank",
-        type=int,
+        type=parse_rank,
         default=0,
         help="whose per-rank tensors and plain values to export (default 0)",
     )
@@ -756,12 +776,13 @@ def render_verify(report: Report, out: TextIO) -> None:
     for step in report["deleted_meanwhile"]:
         print(f"step {step} was deleted while it was being checked", file=out)
     if not report["steps"]:
-        print(f"no committed steps under {report['root']}", file=out)
+        if not report["deleted_meanwhile"]:  # (else the root is not empty: it was written)
+            print(f"no committed steps under {report['root']}", file=out)
         return
     rows = []
     for row in report["steps"]:
         if row["error"]:
-            status = f"unreadable: {row['error']}"
+            status = f"{'unreadable' if row['unreadable'] else 'DAMAGED'}: {row['error']}"
         elif row["ok"]:
             status = "ok" + (" (deep)" if report["deep"] else "")
         else:

@@ -738,6 +738,8 @@ run("prune_no_policy", "prune", str(source))
 run("prune_metric_missing", "prune", str(source), "--keep-best", "2")
 run("prune_bad_steps", "prune", str(source), "--keep-steps", "1,x")
 run("bad_option", "ls", str(source), "-o", "novalue")
+run("negative_rank", "export", str(source), "10", str(work / "r.pt"), "--rank", "-1")
+run("empty_path", "ls", "")  # (it listed the working directory)
 run("ls_missing", "ls", str(work / "nope"))
 run("unknown_protocol", "ls", "nosuchprotocol://x")
 run("inspect_missing_step", "inspect", str(source), "7")
@@ -835,6 +837,8 @@ def test_memory_url_supports_every_command(batch: dict[str, Any]) -> None:
         ("prune_metric_missing", "--keep-best needs --metric"),
         ("prune_bad_steps", "a step must be an integer, got 'x'"),
         ("bad_option", "expected KEY=VALUE, got 'novalue'"),
+        ("negative_rank", "a rank must be >= 0, got -1"),
+        ("empty_path", "argument PATH: PATH is empty"),
     ],
 )
 def test_usage_errors_exit_2(batch: dict[str, Any], name: str, message: str) -> None:
