@@ -981,8 +981,10 @@ class CheckpointStorage:
         committed or discarded it, a delete renamed it)."""
         try:
             newest = os.path.getmtime(path)
-        except FileNotFoundError:
-            return None
+        except OSError as exc:  # (also a link named step_<N> that loops: it leads nowhere)
+            if _leads_nowhere(exc):
+                return None
+            raise
         for full in walk_files(path):
             try:
                 newest = max(newest, os.path.getmtime(full))

@@ -178,6 +178,20 @@ def test_a_link_loop_among_a_steps_files_is_a_missing_file(root: Path) -> None:
     assert step == 2 and torch.equal(restored, state_of(2)["w"])
 
 
+def test_a_link_loop_named_as_a_step_is_no_leftover(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its modification time raised ELOOP out of the leftover sweep: no manager could be made
+    # on the root, and `ckptmgr ls --all` failed.
+    step_dir(root, 901).symlink_to(step_dir(root, 901).name)
+    assert CheckpointStorage(str(root)).leftovers() == []
+    with CheckpointManager(root, 1, chkpt_on_preemption=False, leftover_grace_s=0) as manager:
+        assert manager.all_steps() == list(STEPS)
+    assert cli_main(["ls", str(root), "--all", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["leftovers"] == []
+    assert step_dir(root, 901).is_symlink()
+
+
 def test_a_dangling_commit_record_is_listed_and_never_swept(root: Path) -> None:
     # glob(3) lists it; the sweep took it for a missing record and removed the directory.
     record = step_dir(root, 3) / "commit.json"
