@@ -399,13 +399,19 @@ def report_error(error: Exception, *, verbose: bool, name_type: bool) -> int:
 
 
 class OneLineFormatter(logging.Formatter):
-    """``ckptmgr: warning: [<logger>: ]<message>`` on one line, without the traceback."""
+    """``ckptmgr: warning: [<logger>: ]<message>`` on one line, without the traceback.
+
+    Another library's error is shown as a warning: the command reports what failed itself
+    (fsspec's prefetcher logs "Consumer caught an error." for a read of an object that another
+    job's retention deleted, which ``verify`` then reports as a step deleted meanwhile)."""
 
     def format(self, record: logging.LogRecord) -> str:
         """The record's message, whitespace collapsed, behind its level."""
         message = " ".join(record.getMessage().split())
-        source = "" if record.name.split(".")[0] == PROG else f"{record.name}: "
-        return f"{PROG}: {record.levelname.lower()}: {source}{message}"
+        ours = record.name.split(".")[0] == PROG
+        source = "" if ours else f"{record.name}: "
+        level = record.levelname.lower() if ours else "warning"
+        return f"{PROG}: {level}: {source}{message}"
 
 
 @contextmanager

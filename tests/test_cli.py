@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
 import pty
 import select
@@ -653,6 +654,23 @@ def test_export_refuses_an_output_that_is_not_a_regular_file(
         "it over the path, which would replace it; give the path of a regular file or a new one"
     )
     assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_another_librarys_error_is_shown_as_a_warning() -> None:
+    """fsspec's prefetcher logs "Consumer caught an error." when an object it reads is deleted
+    (another job's retention): verify showed "ckptmgr: error: ..." and then reported the step
+    as deleted meanwhile, exiting 0. The command says what failed; a library's log is a
+    warning. ckptmgr's own errors keep their level."""
+    formatter = cli.OneLineFormatter()
+
+    def shown(name: str, level: int, message: str) -> str:
+        return formatter.format(logging.LogRecord(name, level, __file__, 1, message, (), None))
+
+    assert shown("fsspec.prefetcher", logging.ERROR, "Consumer caught\n an error.") == (
+        "ckptmgr: warning: fsspec.prefetcher: Consumer caught an error."
+    )
+    assert shown("ckptmgr.storage", logging.ERROR, "a failure") == "ckptmgr: error: a failure"
+    assert shown("gcsfs", logging.WARNING, "retrying") == "ckptmgr: warning: gcsfs: retrying"
 
 
 WITHOUT_TORCH = r"""
