@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ckptmgr.notices import aws, azure, gce
 from ckptmgr.notices.base import NoticeBoard, PreemptionNotice, SourceStatus, Watcher
 from ckptmgr.notices.file import FileWatcher
+from ckptmgr.notices.signal_names import notice_signal_names
 from ckptmgr.notices.workers import (
     DEFAULT_WORKER_SIGNALS,
     WorkerSignalGuard,
@@ -39,20 +40,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
-_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
-# Sent in normal operation (a child process exits, the terminal is resized, a stopped job goes
-# on) or for a fault of the process itself: never a notice that the machine goes away.
-_NOT_NOTICES = {
-    "SIGCHLD",
-    "SIGCLD",
-    "SIGWINCH",
-    "SIGURG",
-    "SIGCONT",
-    "SIGSEGV",
-    "SIGBUS",
-    "SIGFPE",
-    "SIGILL",
-}
 #: How long :meth:`PreemptionMonitor.close` waits for its threads, in all.
 CLOSE_TIMEOUT_S = 1.0
 
@@ -117,23 +104,7 @@ class PreemptionConfig(BaseModel):
     @field_validator("signals")
     @classmethod
     def _known_signals(cls, names: list[str]) -> list[str]:
-        normalized: list[str] = []
-        for name in names:
-            full = name.strip().upper()
-            if not full.startswith("SIG"):
-                full = "SIG" + full
-            if not isinstance(getattr(signal, full, None), signal.Signals):
-                raise ValueError(f"unknown signal name {name!r} in preemption.signals")
-            if full in _UNCATCHABLE:
-                raise ValueError(f"{full} cannot be caught; it cannot be a preemption notice")
-            if full in _NOT_NOTICES:
-                raise ValueError(
-                    f"{full} is sent in normal operation or for a fault of the process, not to "
-                    "announce a preemption; it cannot be a preemption notice"
-                )
-            if full not in normalized:
-                normalized.append(full)
-        return normalized
+        return notice_signal_names(names, "preemption.signals")
 
     @field_validator("gce", "aws", "azure", "tpu", mode="before")
     @classmethod

@@ -698,7 +698,16 @@ def test_signals_in_a_child_process_chain_clear_and_restore(tmp_path: Path) -> N
 
 # -- the DataLoader worker guard (its real use is in test_preemption_dataloader.py) --------------
 def test_worker_signal_guard_is_picklable_and_checks_names() -> None:
+    """The names are checked as PreemptionConfig checks its own: "USR1" was a bare KeyError,
+    a string ("SIGTERM") one KeyError per letter ('S'), and SIGKILL or SIGCHLD were taken."""
     guard = pickle.loads(pickle.dumps(WorkerSignalGuard(["SIGUSR2"], then=abs)))
     assert guard.signals == ("SIGUSR2",) and guard.then is abs
-    with pytest.raises(KeyError):
+    assert WorkerSignalGuard(["usr1", "SIGUSR1", "TERM"]).signals == ("SIGUSR1", "SIGTERM")
+    with pytest.raises(ValueError, match="unknown signal name 'SIGNOPE'"):
         WorkerSignalGuard(["SIGNOPE"])
+    with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
+        WorkerSignalGuard(["SIGKILL"])
+    with pytest.raises(ValueError, match="SIGCHLD is sent in normal operation"):
+        WorkerSignalGuard(["SIGCHLD"])
+    with pytest.raises(TypeError, match="not one string"):
+        WorkerSignalGuard("SIGTERM")

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
 
+from ckptmgr.notices.signal_names import notice_signal_names
+
 #: Signals that preemption sends to whole process groups (SLURM ``--signal``, SIGTERM).
 DEFAULT_WORKER_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGUSR2")
 
@@ -43,17 +45,20 @@ def _drain(signums: set[signal.Signals], parents: set[int]) -> None:
 
 class WorkerSignalGuard:
     """A picklable ``worker_init_fn``: makes the worker ignore ``signals`` (names such as
-    ``"SIGTERM"``), then calls ``then(worker_id)`` if given."""
+    ``"SIGTERM"``, or ``"TERM"``), then calls ``then(worker_id)`` if given.
+
+    The names are checked here, rather than in a worker, as :class:`ckptmgr.PreemptionConfig`
+    checks its own: ``ValueError`` for an unknown name, SIGKILL or SIGSTOP (which cannot be
+    caught), or a signal sent in normal operation (SIGCHLD, whose loss would break a worker's
+    own child processes); ``TypeError`` for one string in place of a list."""
 
     def __init__(
         self,
         signals: Sequence[str] = DEFAULT_WORKER_SIGNALS,
         then: Callable[[int], None] | None = None,
     ) -> None:
-        self.signals = tuple(signals)
+        self.signals = tuple(notice_signal_names(signals, "WorkerSignalGuard's signals"))
         self.then = then
-        for name in self.signals:
-            signal.Signals[name]  # raises KeyError for unknown names, here rather than in a worker
 
     def __call__(self, worker_id: int) -> None:
         signums = {signal.Signals[name] for name in self.signals}
