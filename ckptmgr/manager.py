@@ -590,7 +590,7 @@ class CheckpointManager:
                 "but never saves"
             )
         step = _checked_step(step)
-        force = _checked_force(force)
+        force = _checked_bool(force, "force")
         if not self._comm.distributed:
             checked_metrics = _checked_metrics(metrics)
             checked_metadata = _checked_metadata(metadata)
@@ -1322,6 +1322,7 @@ class CheckpointManager:
         """
         self._check_open()
         step = _checked_step(step)
+        deep = _checked_bool(deep, "deep")
         storage = self._storage
         committed, quarantined = storage.listed_steps()
         if step not in committed and step not in quarantined:
@@ -1364,15 +1365,16 @@ def _mutable(state_dict: Any) -> MutableMapping[str, Any]:
     return state_dict
 
 
-def _checked_force(force: object) -> bool:
-    """``force`` as a bool: True, False, or a 0-d bool of numpy or torch (``step == last``
-    with a numpy step); "no", 0.0 and None, read as saving or not, are refused alike."""
-    if isinstance(force, bool):
-        return force
-    dtype = getattr(force, "dtype", None)
-    if str(dtype) in ("bool", "torch.bool") and getattr(force, "shape", None) == ():
-        return bool(force)
-    raise ValueError(f"force must be True or False, got {force!r}")
+def _checked_bool(value: object, name: str) -> bool:
+    """``value`` (the argument ``name``) as a bool: True, False, or a 0-d bool of numpy or
+    torch (``step == last`` with a numpy step); "no", 0.0 and None, which read as true or
+    false by chance, are refused alike."""
+    if isinstance(value, bool):
+        return value
+    dtype = getattr(value, "dtype", None)
+    if str(dtype) in ("bool", "torch.bool") and getattr(value, "shape", None) == ():
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _all_storable(tensors: Mapping[str, torch.Tensor]) -> bool:

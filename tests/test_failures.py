@@ -462,13 +462,15 @@ def test_bad_step_raises_value_error(ckpt_dir: Path, step: Any) -> None:
         assert mgr.save(0, state) is True
         with pytest.raises(ValueError, match="step"):
             mgr.restore(step, empty_like_state(state))
+        with pytest.raises(ValueError, match="step"):
+            mgr.verify(step)
         assert mgr.all_steps() == [0]
 
 
 @pytest.mark.parametrize("force", ["yes", "no", 1, 0.0, None])
 def test_a_force_that_is_not_a_bool_is_refused(ckpt_dir: Path, force: Any) -> None:
     """force="no" (or 0.0) saved like force=True would not: every value but True and False
-    raises ValueError, and nothing is saved."""
+    raises ValueError, and nothing is saved. verify's deep alike."""
     with CheckpointManager(ckpt_dir, save_interval=10, chkpt_on_preemption=False) as mgr:
         for call in (mgr.save, mgr.save_async):
             with pytest.raises(ValueError, match="force must be True or False"):
@@ -477,6 +479,8 @@ def test_a_force_that_is_not_a_bool_is_refused(ckpt_dir: Path, force: Any) -> No
         assert mgr.all_steps() == []
         assert mgr.save(1, make_state(1), force=torch.tensor(True))  # a 0-d bool is one
         assert mgr.all_steps() == [1]
+        with pytest.raises(ValueError, match="deep must be True or False"):
+            mgr.verify(1, deep=force)  # (deep="no" read the files all the same)
 
 
 class _TensorStateful:
