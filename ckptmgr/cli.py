@@ -816,6 +816,16 @@ def run_prune(args: argparse.Namespace) -> int:
     """``ckptmgr prune``: apply retention policies, print the decision for every step."""
     policies = policies_from_args(args)
     storage = open_storage(args.path, args.storage_option)
+    # Planned and deleted under the root's lease (a dry run deletes nothing: it takes none), so
+    # that the plan is that of the root as no other command changes it meanwhile.
+    with holding_the_root(storage, "prune", force=args.force or args.dry_run):
+        return _prune(args, storage, policies)
+
+
+def _prune(
+    args: argparse.Namespace, storage: CheckpointStorage, policies: list[RetentionPolicy]
+) -> int:
+    """:func:`run_prune` once the root is held: plan, delete, report."""
     reader = RecordReader(storage)
     retention_plan = plan(combine(policies), reader)
     infos, unreadable = reader.infos(retention_plan.listed)
@@ -844,10 +854,9 @@ def run_prune(args: argparse.Namespace) -> int:
     }
     failure = None
     if not args.dry_run and retention_plan.doomed:
-        with holding_the_root(storage, "prune", force=args.force):
-            report["deleted"], failure = delete_with_progress(
-                storage, retention_plan.doomed, delete_steps
-            )
+        report["deleted"], failure = delete_with_progress(
+            storage, retention_plan.doomed, delete_steps
+        )
     emit(report, args.json, render_prune)
     if failure is not None:  # (after the report of what was deleted)
         raise failure
@@ -925,11 +934,11 @@ def run_rm(args: argparse.Namespace) -> int:
     """``ckptmgr rm``: delete committed steps; none is deleted if one is not committed."""
     storage = open_storage(args.path, args.storage_option)
     steps = sorted(set(args.steps))
-    committed = set(storage.committed_steps())
-    for step in steps:
-        if step not in committed:
-            raise StepNotFoundError(step, committed)
     with holding_the_root(storage, "rm", force=args.force):
+        committed = set(storage.committed_steps())
+        for step in steps:
+            if step not in committed:
+                raise StepNotFoundError(step, committed)
         deleted, failure = delete_with_progress(
             storage, steps, functools.partial(delete_steps, purpose="rm")
         )
