@@ -22,7 +22,12 @@ class CheckpointConfig(BaseModel):
     ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
     """
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_default=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        arbitrary_types_allowed=True,
+        validate_default=True,
+        validate_assignment=True,  # (config.max_to_keep = -5 was taken)
+    )
 
     path: str = Field(min_length=1, description="Local path or fsspec URL of the checkpoint root.")
     save_interval: int | None = Field(
@@ -89,11 +94,13 @@ class CheckpointConfig(BaseModel):
     )
     leftover_grace_s: float = Field(
         default=600.0,
+        strict=True,  # ("5" and True are no seconds)
         ge=0,
         description="Age after which uncommitted leftovers of interrupted saves are removed.",
     )
     collective_timeout_s: float = Field(
         default=600.0,
+        strict=True,  # ("5" and True are no seconds)
         gt=0,
         allow_inf_nan=False,
         description="Timeout of the manager's own collectives.",
@@ -106,6 +113,7 @@ class CheckpointConfig(BaseModel):
     )
     lease_timeout_s: float = Field(
         default=60.0,
+        strict=True,  # ("5" and True are no seconds)
         gt=0,
         allow_inf_nan=False,
         description="An owner lease whose heartbeat is older than this many seconds (and than "

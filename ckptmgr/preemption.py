@@ -73,6 +73,7 @@ class PreemptionConfig(BaseModel):
     )
     poll_interval_s: float = Field(
         default=5.0,
+        strict=True,
         gt=0,
         le=3600,
         allow_inf_nan=False,
@@ -80,13 +81,18 @@ class PreemptionConfig(BaseModel):
     )
     request_timeout_s: float = Field(
         default=2.0,
+        strict=True,
         gt=0,
         le=300,
         allow_inf_nan=False,
         description="Timeout of one metadata request.",
     )
     gce_long_poll_s: int = Field(
-        default=60, ge=1, le=3600, description="timeout_sec of each GCE wait_for_change request."
+        default=60,
+        strict=True,
+        ge=1,
+        le=3600,
+        description="timeout_sec of each GCE wait_for_change request.",
     )
     exit_after_save: bool = Field(
         default=False,

@@ -125,15 +125,15 @@ class RetryConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_attempts: int = Field(default=5, ge=1, le=100)
+    max_attempts: int = Field(default=5, ge=1, le=100, strict=True)
     """Attempts per storage operation, the first one included (1 disables retries)."""
-    client_attempts: int = Field(default=3, ge=1, le=20)
+    client_attempts: int = Field(default=3, ge=1, le=20, strict=True)
     """Tries per HTTP request inside one attempt, on gs:// and s3:// (1 disables them)."""
-    initial_backoff_s: float = Field(default=0.25, ge=0.0, le=60.0)
+    initial_backoff_s: float = Field(default=0.25, ge=0.0, le=60.0, strict=True)
     """The first wait, and the most random jitter added to each wait."""
-    max_backoff_s: float = Field(default=5.0, ge=0.0, le=600.0)
+    max_backoff_s: float = Field(default=5.0, ge=0.0, le=600.0, strict=True)
     """The longest wait between two attempts (before jitter)."""
-    deadline_s: float = Field(default=20.0, gt=0.0, le=86400.0)
+    deadline_s: float = Field(default=20.0, gt=0.0, le=86400.0, strict=True)
     """No attempt of an operation starts later than this many seconds after its first one."""
 
     @model_validator(mode="after")

@@ -31,6 +31,15 @@ INVALID = [
     pytest.param("lease_timeout_s", float("inf"), id="lease_timeout_s=inf"),
     pytest.param("collective_timeout_s", float("inf"), id="collective_timeout_s=inf"),
     pytest.param("collective_timeout_s", float("nan"), id="collective_timeout_s=nan"),
+    # seconds are numbers: "5" and True were taken (True as 1 s)
+    pytest.param("leftover_grace_s", "5", id="leftover_grace_s='5'"),
+    pytest.param("leftover_grace_s", True, id="leftover_grace_s=True"),
+    pytest.param("collective_timeout_s", True, id="collective_timeout_s=True"),
+    pytest.param("lease_timeout_s", "60", id="lease_timeout_s='60'"),
+    pytest.param("retry", {"max_attempts": True}, id="retry.max_attempts=True"),
+    pytest.param("retry", {"deadline_s": "10"}, id="retry.deadline_s='10'"),
+    pytest.param("preemption", {"gce_long_poll_s": True}, id="preemption.gce_long_poll_s=True"),
+    pytest.param("preemption", {"poll_interval_s": "5"}, id="preemption.poll_interval_s='5'"),
 ]
 
 XLA_PARAMETERS = [
@@ -81,6 +90,15 @@ def test_invalid_positional_arguments_raise_value_error(ckpt_dir: Path) -> None:
     with pytest.raises(ValueError, match="max_pending_async"):
         CheckpointManager(ckpt_dir, 10, 2, 0)
     assert not ckpt_dir.exists()
+
+
+def test_a_setting_assigned_later_is_validated(ckpt_dir: Path) -> None:
+    """config.max_to_keep = -5 was taken as it was."""
+    config = CheckpointConfig(**settings(ckpt_dir))
+    with pytest.raises(ValueError, match="max_to_keep"):
+        config.max_to_keep = -5
+    config.max_to_keep = 3
+    assert config.max_to_keep == 3
 
 
 def test_unknown_setting_is_rejected(ckpt_dir: Path) -> None:
