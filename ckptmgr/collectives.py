@@ -37,14 +37,8 @@ class Collectives:
         self.world_size = dist.get_world_size(process_group)
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         timeout = _dt.timedelta(seconds=timeout_s)
-        # A manager of every rank makes its groups with all of them, and destroys them when it
-        # is closed (see close()). A manager of a subgroup makes them with its group's ranks
-        # only (use_local_synchronization), so that managers of disjoint subgroups can be made
-        # independently of each other; those it keeps: torch names such a group after its
-        # ranks and the number of groups there are, so a group made after one was destroyed
-        # can get its name, and then meets the destroyed group's stale addresses in the store
-        # (gloo: "failed to connect ... Connection refused").
-        self._every_rank = len(ranks) == dist.get_world_size()
+        # Only the group's own ranks take part (use_local_synchronization), so managers of
+        # disjoint subgroups can be created independently of each other.
         self.background_group = self._new_group(ranks, timeout)
         try:
             self.control_group = self._new_group(ranks, timeout)
@@ -59,10 +53,7 @@ class Collectives:
         ``CheckpointError`` of a failed collective, with torch's error as its cause."""
         try:
             return dist.new_group(
-                ranks=ranks,
-                backend="gloo",
-                timeout=timeout,
-                use_local_synchronization=not self._every_rank,
+                ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
             )
         except dist.DistError as exc:
             raise CheckpointError(
@@ -70,22 +61,6 @@ class Collectives:
                 "died, or did not make its CheckpointManager within collective_timeout_s "
                 f"({self.timeout_s:g} s): {describe_error(exc)}"
             ) from exc
-
-    def close(self) -> None:
-        """Destroy the manager's two groups, where they span every rank (a subgroup's are
-        kept: see ``__init__``). Torch's registry and this object let go of them, so that each
-        group's gloo threads and connections end now: a group that lives on keeps its threads
-        (destroy_process_group does not stop them) until it is freed, which can be at the
-        interpreter's exit, where a gloo thread that frees a finished collective's tensors then
-        (it needs the GIL, which is gone) aborts the process ("terminate called without an
-        active exception"). Idempotent; local (no collective)."""
-        if not (self.distributed and self._every_rank):
-            return
-        groups = [g for g in (self.background_group, self.control_group) if g is not None]
-        self.background_group = self.control_group = None
-        for group in groups:
-            with contextlib.suppress(Exception):  # (already destroyed: the user's own call)
-                dist.destroy_process_group(group)
 
     @property
     def is_coordinator(self) -> bool:

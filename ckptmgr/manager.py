@@ -1074,8 +1074,7 @@ class CheckpointManager:
 
     def _releases(self) -> list[Callable[[], None]]:
         """What close() releases after the last save: daemon, staging memory (a closed
-        manager that is still referenced held a copy of the state), lease, the process groups
-        (:meth:`Collectives.close`), preemption sources
+        manager that is still referenced held a copy of the state), lease, preemption sources
         (last: a signal that arrives meanwhile is still caught, see
         :meth:`_warn_of_unanswered_notice`)."""
         releases: list[Callable[[], None]] = [self._save_plans.forget]
@@ -1084,7 +1083,6 @@ class CheckpointManager:
         releases.append(self._staging.free_all)
         if self._lease is not None:
             releases.append(self._lease.release)
-        releases.append(self._comm.close)  # (the daemon's group is its own: closed above)
         if self._preemption is not None:
             releases.append(self._preemption.close)
         return releases

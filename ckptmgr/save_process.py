@@ -743,11 +743,8 @@ class SaveProcess:
             self._stop()
 
     def close(self) -> None:
-        """Ask the daemon to stop; terminate it if it does not within a few seconds. Lets go
-        of the group (the manager's, which it destroys once closed)."""
-        with self._lock:
-            self._stop()
-            self._group = None
+        """Ask the daemon to stop; terminate it if it does not within a few seconds."""
+        self.reset()
 
     def _stop(self) -> None:
         daemon, self._daemon = self._daemon, None

@@ -525,34 +525,6 @@ def scenario_gone_before_outcome(rank: int, ckpt_dir: str, out_dir: str) -> dict
     return record
 
 
-def _threads_and_fds() -> tuple[int, int]:
-    """This process's threads (C++ ones included) and open file descriptors (sockets too)."""
-    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
-
-
-def scenario_closed_managers(rank: int, ckpt_dir: str) -> dict[str, Any]:
-    """Managers made and closed one after another (an evaluation job that opens each run's
-    checkpoints, say): each made two gloo groups whose threads and sockets lived on after
-    close(), 3 threads per group. Threads and file descriptors after a first manager (which
-    starts what lives for the process) and after three more."""
-    from ckptmgr import CheckpointManager
-
-    def use_one(step: int) -> None:
-        with CheckpointManager(
-            ckpt_dir, 1, collective_timeout_s=COLLECTIVE_TIMEOUT_S, chkpt_on_preemption=False
-        ) as manager:
-            assert manager.save_async(step, make_state(step, rank))
-            manager.join()
-            manager.restore(step, blank_state())
-
-    use_one(1)
-    record: dict[str, Any] = {"after_first": _threads_and_fds()}
-    for step in (2, 3, 4):
-        use_one(step)
-    record["after_more"] = _threads_and_fds()
-    return record
-
-
 def scenario_raising_policy(rank: int, ckpt_dir: str) -> dict[str, Any]:
     """A save policy that raises on rank 1 alone: the decision of that step must raise on both
     ranks at once (not leave rank 0 in the agreement's collective), and the ranks stay in step."""
@@ -1386,8 +1358,6 @@ def main(argv: list[str]) -> int:
             record.update(scenario_peer_gone(rank, *paths, out_dir))
         elif scenario == "gone_before_outcome":
             record.update(scenario_gone_before_outcome(rank, *paths, out_dir))
-        elif scenario == "closed_managers":
-            record.update(scenario_closed_managers(rank, *paths))
         elif scenario == "raising_policy":
             record.update(scenario_raising_policy(rank, *paths))
         elif scenario == "single":
