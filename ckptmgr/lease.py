@@ -45,6 +45,7 @@ own next heartbeat, and its saves fail with :class:`LeaseLostError`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -231,6 +232,9 @@ class _Holding:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s):
+            give_back_dropped()  # (this holding's own too: then it stops)
+            if self._stop.is_set():
+                return
             try:
                 self.refresh()
             except LeaseLostError as exc:
@@ -261,13 +265,31 @@ class _Holding:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=max(5.0, 2 * self.interval_s))
+        thread = self._thread
+        # (from its own heartbeat, which gave it back: that thread ends once this returns)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=max(5.0, 2 * self.interval_s))
             self._thread = None
 
 
 _HOLDINGS: dict[str, _Holding] = {}
 _HOLDINGS_LOCK = threading.Lock()
+_DROPPED: collections.deque[tuple[AbstractFileSystem, _Holding]] = collections.deque()
+"""(file system, holding) of each handle garbage collected without ``release()``, put here by
+its finalizer and given back by :func:`give_back_dropped` later: outside the garbage collector,
+which runs a finalizer anywhere (inside ``acquire()``, which holds ``_HOLDINGS_LOCK``, say: a
+give-back there waited for that lock for ever). ``deque.append`` takes no lock of Python's."""
+
+
+def give_back_dropped() -> None:
+    """Give back the holdings of the handles dropped without ``release()`` (see ``_DROPPED``):
+    run by ``acquire()`` and ``release()``, and by every heartbeat."""
+    while True:
+        try:
+            fs, holding = _DROPPED.popleft()
+        except IndexError:
+            return
+        _give_back(fs, holding)
 
 
 _FORKED_FROM: tuple[tuple[int, str | None], ...] = ()
@@ -354,6 +376,7 @@ class OwnerLease:
         holding = self._own_holding()
         if holding is not None:
             return holding.owner
+        give_back_dropped()  # (a dropped handle of this root's last holding: given back first)
         key = self._key()
         for _ in range(3):
             with _HOLDINGS_LOCK:
@@ -371,7 +394,7 @@ class OwnerLease:
                     # A handle dropped without release() (a manager never closed, garbage
                     # collected) gives its use back: else the root stayed owned, its heartbeat
                     # beating, until the process ended. Not at exit: a dead owner is taken over.
-                    self._dropped = weakref.finalize(self, _give_back, self.fs, holding)
+                    self._dropped = weakref.finalize(self, _DROPPED.append, (self.fs, holding))
                     self._dropped.atexit = False
                     return holding.owner
             assert unjudged is not None
@@ -529,7 +552,9 @@ class OwnerLease:
         holding, self._holding = self._own_holding(), None
         if holding is not None:
             assert self._dropped is not None  # (set with the holding)
-            self._dropped()  # (a weakref.finalize runs its function at most once)
+            self._dropped.detach()  # (given back here, once)
+            _give_back(self.fs, holding)
+        give_back_dropped()
 
     def __enter__(self) -> OwnerLease:
         self.acquire()

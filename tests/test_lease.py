@@ -9,6 +9,7 @@ they cannot be produced on one machine in reasonable time.
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from conftest import REPO, in_forked_child
 from fsspec.implementations.local import LocalFileSystem
 
 from ckptmgr import CheckpointError
+from ckptmgr import lease as lease_module
 from ckptmgr.lease import (
     LEASE_NAME,
     LeaseHeldError,
@@ -836,3 +838,25 @@ def test_an_owner_that_is_pid_1_is_an_ancestor_too(root: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["child refused", "owner pid 1 still holds"]
+
+
+def test_a_handle_collected_inside_acquire_is_given_back_after_it(tmp_path: Path) -> None:
+    """A handle dropped without release() is given back, but not by its finalizer itself: a
+    collection can start anywhere, inside acquire() too, which holds the lock of the process's
+    holdings; a finalizer that gave back there waited for that lock for ever."""
+
+    def work() -> bytes:
+        root = tmp_path / "run"
+        root.mkdir()
+        lease = OwnerLease(LocalFileSystem(), str(root))
+        lease.acquire()
+        lease.cycle = lease  # type: ignore[attr-defined]  # (freed by a collection)
+        with lease_module._HOLDINGS_LOCK:  # as inside acquire()
+            del lease
+            gc.collect()  # runs the finalizer here
+        held = (root / LEASE_NAME).exists()
+        lease_module.give_back_dropped()  # (what acquire(), release() and heartbeats run)
+        given_back = not (root / LEASE_NAME).exists()
+        return b"given back" if held and given_back else f"{held} {given_back}".encode()
+
+    assert in_forked_child(work, timeout_s=20) == b"given back"

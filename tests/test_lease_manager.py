@@ -331,9 +331,10 @@ def test_managers_dropped_without_close_give_the_root_back(
 ) -> None:
     """A manager garbage-collected without close() held the root for the rest of the process
     (its lease's record kept beating): another job was refused ("owned by another job ...
-    heartbeat 0.2 s ago"). The last manager of the process that is dropped gives it back."""
-    first = manager(root, async_mode=async_mode)
-    second = manager(root, async_mode=async_mode)
+    heartbeat 0.2 s ago"). The last manager of the process that is dropped gives it back, at
+    the lease's next heartbeat (every lease_timeout_s / 4: 0.5 s here)."""
+    first = manager(root, async_mode=async_mode, lease_timeout_s=2.0)
+    second = manager(root, async_mode=async_mode, lease_timeout_s=2.0)
     assert first.save_async(2, {"w": torch.ones(2)})
     first.join()
     dropped = weakref.ref(first)
@@ -344,6 +345,9 @@ def test_managers_dropped_without_close_give_the_root_back(
     assert _lease_threads()
     del second
     gc.collect()
+    deadline = time.monotonic() + BOUND_S  # (a bounded wait for the heartbeat's give-back)
+    while (_lease_threads() or (root / LEASE_NAME).exists()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not (root / LEASE_NAME).exists()
     assert _lease_threads() == []
     children.append(ManagerChild(root))  # another job takes the root: saves step 1
