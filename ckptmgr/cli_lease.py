@@ -18,47 +18,39 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ckptmgr.errors import CheckpointError
-from ckptmgr.lease import LeaseHeldError, OwnerLease
+from ckptmgr.lease import (
+    CLI_JOB_PREFIX,
+    LeaseHeldError,
+    OwnerLease,
+    acquire_waiting_for_commands,
+    is_command,
+)
 from ckptmgr.storage import CheckpointStorage
-
-COMMAND_WAIT_S = 300.0
-"""How long a command waits for another ``ckptmgr`` command that holds the root."""
-_POLL_S = 0.2
-_JOB_PREFIX = "ckptmgr-cli-"
 
 
 @contextmanager
 def holding_the_root(storage: CheckpointStorage, command: str, *, force: bool) -> Iterator[None]:
     """Hold ``storage``'s owner lease for the body (nothing with ``force``); a root owned by a
     live job raises ``CheckpointError`` naming it, before anything is deleted; one held by
-    another ``ckptmgr`` command is waited for, up to :data:`COMMAND_WAIT_S`."""
+    another ``ckptmgr`` command is waited for, up to :data:`ckptmgr.lease.COMMAND_WAIT_S`."""
     if force:
         yield
         return
     # A job id of its own: a command run inside the training job's allocation (the same SLURM
     # or torchrun id) must not count as that job restarting, which takes its lease over.
-    job_id = f"{_JOB_PREFIX}{command}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    job_id = f"{CLI_JOB_PREFIX}{command}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     lease = OwnerLease(storage.fs, storage.root, job_id=job_id)
-    deadline = time.monotonic() + COMMAND_WAIT_S
-    while True:
-        try:
-            storage.call(f"acquire the owner lease of {storage.url}", lease.acquire)
-            break
-        except LeaseHeldError as exc:
-            owner = exc.owner
-            if not owner.job_id.startswith(_JOB_PREFIX):
-                raise CheckpointError(
-                    f"{storage.url} is owned by a running job ({owner.describe(time.time())}); "
-                    f"`ckptmgr {command}` deletes nothing under it. Stop that job first (its "
-                    "manager's retention deletes as it saves), or pass --force to delete anyway"
-                ) from exc
-            if time.monotonic() >= deadline:
-                raise CheckpointError(
-                    f"{storage.url} was held by another ckptmgr command "
-                    f"({owner.describe(time.time())}) for {COMMAND_WAIT_S:g} s; "
-                    f"`ckptmgr {command}` deleted nothing"
-                ) from exc
-            time.sleep(_POLL_S)  # (another command's deletes: seconds, as a rule)
+    what = f"acquire the owner lease of {storage.url}"
+    try:
+        acquire_waiting_for_commands(lambda: storage.call(what, lease.acquire))
+    except LeaseHeldError as exc:
+        if is_command(exc.owner):
+            raise CheckpointError(f"{exc}; `ckptmgr {command}` deleted nothing") from exc
+        raise CheckpointError(
+            f"{storage.url} is owned by a running job ({exc.owner.describe(time.time())}); "
+            f"`ckptmgr {command}` deletes nothing under it. Stop that job first (its manager's "
+            "retention deletes as it saves), or pass --force to delete anyway"
+        ) from exc
     try:
         yield
     finally:

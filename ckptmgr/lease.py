@@ -55,7 +55,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 
 from fsspec import AbstractFileSystem
@@ -84,11 +84,30 @@ _NO_RUN_ID = "none"
 job would have the same id, so it names no job."""
 
 
+CLI_JOB_PREFIX = "ckptmgr-cli-"
+"""How the job id of a ``ckptmgr rm`` or ``prune`` command begins (see
+:mod:`ckptmgr.cli_lease`): such an owner holds a root for the seconds its deletes take."""
+COMMAND_WAIT_S = 300.0
+"""How long a manager or a command waits for a ``ckptmgr`` command that holds the root."""
+_COMMAND_POLL_S = 0.2
+
+
+def is_command(owner: Owner) -> bool:
+    """True when ``owner`` is a ``ckptmgr rm`` or ``prune`` command, not a job."""
+    return owner.job_id.startswith(CLI_JOB_PREFIX)
+
+
 class LeaseHeldError(CheckpointError):
     """The root is owned by another live job; ``owner`` is its record."""
 
     def __init__(self, path: str, owner: Owner, now: float) -> None:
         self.owner = owner
+        if is_command(owner):
+            super().__init__(
+                f"checkpoint root {path} is held by a ckptmgr command that deletes steps "
+                f"({owner.describe(now)}), still after {COMMAND_WAIT_S:g} s of waiting for it"
+            )
+            return
         super().__init__(
             f"checkpoint root {path} is owned by another job: {owner.describe(now)}. Two jobs "
             "must not write the same root; point this job at another path, or pass "
@@ -562,6 +581,32 @@ class OwnerLease:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+def acquire_waiting_for_commands(
+    acquire: Callable[[], object], wait_s: float = COMMAND_WAIT_S
+) -> None:
+    """Call ``acquire`` (an :meth:`OwnerLease.acquire`, retried as a storage operation, say);
+    while a ``ckptmgr rm`` or ``prune`` holds the root (seconds, as a rule), wait for it, up to
+    ``wait_s``. Raises :class:`LeaseHeldError` for another owner at once, and for such a
+    command once the wait is over: a job restarted during a scheduled prune waits for it."""
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            acquire()
+            return
+        except LeaseHeldError as exc:
+            if not is_command(exc.owner) or time.monotonic() >= deadline:
+                raise
+            if not told:
+                log.warning(
+                    "the checkpoint root is held by a ckptmgr command that deletes steps (%s); "
+                    "waiting for it to finish",
+                    exc.owner.describe(time.time()),
+                )
+                told = True
+            time.sleep(_COMMAND_POLL_S)
 
 
 def _give_back(fs: AbstractFileSystem, holding: _Holding) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
 from ckptmgr.errors import CheckpointError, describe_error
-from ckptmgr.lease import OwnerLease
+from ckptmgr.lease import OwnerLease, acquire_waiting_for_commands
 from ckptmgr.storage import CheckpointStorage
 
 
@@ -97,7 +97,8 @@ def _list_as_coordinator(
     )
     try:  # (a storage operation: retried on a transient error, as every other)
         try:
-            storage.call(f"acquire the owner lease of {config.path}", lease.acquire)
+            what = f"acquire the owner lease of {config.path}"
+            acquire_waiting_for_commands(lambda: storage.call(what, lease.acquire))
         except FileNotFoundError as exc:  # (writing an object: its bucket is missing)
             if not storage.is_object_store:
                 raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import selectors
 import signal
@@ -353,6 +354,77 @@ def test_managers_dropped_without_close_give_the_root_back(
     children.append(ManagerChild(root))  # another job takes the root: saves step 1
     assert children[0].send("save 3") == "saved 3"
     assert owner_pid(root) == children[0].proc.pid
+
+
+COMMAND_HOLDING_CODE = r"""
+import sys
+from fsspec.implementations.local import LocalFileSystem
+from ckptmgr.lease import CLI_JOB_PREFIX, OwnerLease
+lease = OwnerLease(LocalFileSystem(), sys.argv[1], job_id=CLI_JOB_PREFIX + "prune-test")
+lease.acquire()
+print("held", flush=True)
+sys.stdin.readline()  # until told
+lease.release()
+print("released", flush=True)
+"""
+
+
+def test_a_manager_waits_for_a_command_that_holds_the_root(root: Path) -> None:
+    """A job (re)started while `ckptmgr prune` deleted steps failed at once, "owned by another
+    job ... pass take_over=True if that job is gone" (which would take the lease from a prune
+    still deleting). It waits for the command, saying so, then opens the root."""
+    root.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    command = subprocess.Popen(
+        [sys.executable, "-c", COMMAND_HOLDING_CODE, str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert command.stdout is not None and command.stdin is not None
+        assert command.stdout.readline().strip() == "held"
+        opened: list[object] = []
+        waiting = threading.Event()
+
+        class _Waiting(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "waiting for it to finish" in record.getMessage():
+                    waiting.set()
+
+        handler = _Waiting()
+        logging.getLogger("ckptmgr").addHandler(handler)
+        try:
+            finished = threading.Event()
+
+            def make() -> None:
+                try:
+                    opened.append(manager(root))
+                except BaseException as exc:  # (what the test reports)
+                    opened.append(exc)
+                finally:
+                    finished.set()
+
+            maker = threading.Thread(target=make)
+            maker.start()
+            deadline = time.monotonic() + BOUND_S
+            while not (waiting.is_set() or finished.is_set()) and time.monotonic() < deadline:
+                waiting.wait(0.05)
+            assert waiting.is_set() and not opened, opened  # the manager waits for the command
+            command.stdin.write("release\n")
+            command.stdin.flush()
+            maker.join(BOUND_S)
+        finally:
+            logging.getLogger("ckptmgr").removeHandler(handler)
+        assert not maker.is_alive() and len(opened) == 1
+        made = opened[0]
+        assert isinstance(made, CheckpointManager)
+        assert owner_pid(root) == os.getpid()
+        made.close()
+    finally:
+        command.kill()
+        command.wait(BOUND_S)
 
 
 def test_lease_settings_are_validated(root: Path) -> None:
