@@ -105,7 +105,7 @@ class LeaseHeldError(CheckpointError):
         if is_command(owner):
             super().__init__(
                 f"checkpoint root {path} is held by a ckptmgr command that deletes steps "
-                f"({owner.describe(now)}), still after {COMMAND_WAIT_S:g} s of waiting for it"
+                f"({owner.describe(now)}); try again once it is done"
             )
             return
         super().__init__(
@@ -240,6 +240,12 @@ class _Holding:
         self.key = ""  # where _HOLDINGS lists it
         self.pid = os.getpid()  # a forked child inherits the object, not the hold
         self.lost: LeaseLostError | None = None
+        self.dropped: collections.deque[None] = collections.deque()
+        """One item per handle garbage collected without ``release()``, put here by its
+        finalizer and given back by :meth:`give_back_dropped` later: outside the garbage
+        collector, which runs a finalizer anywhere (inside ``acquire()``, which holds
+        ``_HOLDINGS_LOCK``, say: a give-back there waited for that lock for ever).
+        ``deque.append`` takes no lock of Python's."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -249,9 +255,19 @@ class _Holding:
         )
         self._thread.start()
 
+    def give_back_dropped(self) -> None:
+        """Give back the uses of the handles dropped without ``release()`` (see
+        :attr:`dropped`): run by each heartbeat, and by ``acquire()`` of the same root."""
+        while True:
+            try:
+                self.dropped.popleft()
+            except IndexError:
+                return
+            _give_back(self.fs, self)
+
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s):
-            give_back_dropped()  # (this holding's own too: then it stops)
+            self.give_back_dropped()  # (the last use given back: it stops)
             if self._stop.is_set():
                 return
             try:
@@ -293,22 +309,6 @@ class _Holding:
 
 _HOLDINGS: dict[str, _Holding] = {}
 _HOLDINGS_LOCK = threading.Lock()
-_DROPPED: collections.deque[tuple[AbstractFileSystem, _Holding]] = collections.deque()
-"""(file system, holding) of each handle garbage collected without ``release()``, put here by
-its finalizer and given back by :func:`give_back_dropped` later: outside the garbage collector,
-which runs a finalizer anywhere (inside ``acquire()``, which holds ``_HOLDINGS_LOCK``, say: a
-give-back there waited for that lock for ever). ``deque.append`` takes no lock of Python's."""
-
-
-def give_back_dropped() -> None:
-    """Give back the holdings of the handles dropped without ``release()`` (see ``_DROPPED``):
-    run by ``acquire()`` and ``release()``, and by every heartbeat."""
-    while True:
-        try:
-            fs, holding = _DROPPED.popleft()
-        except IndexError:
-            return
-        _give_back(fs, holding)
 
 
 _FORKED_FROM: tuple[tuple[int, str | None], ...] = ()
@@ -395,8 +395,10 @@ class OwnerLease:
         holding = self._own_holding()
         if holding is not None:
             return holding.owner
-        give_back_dropped()  # (a dropped handle of this root's last holding: given back first)
         key = self._key()
+        earlier = _HOLDINGS.get(key)
+        if earlier is not None:  # (this root's handles dropped meanwhile: given back first)
+            earlier.give_back_dropped()
         for _ in range(3):
             with _HOLDINGS_LOCK:
                 holding = _HOLDINGS.get(key)
@@ -413,7 +415,7 @@ class OwnerLease:
                     # A handle dropped without release() (a manager never closed, garbage
                     # collected) gives its use back: else the root stayed owned, its heartbeat
                     # beating, until the process ended. Not at exit: a dead owner is taken over.
-                    self._dropped = weakref.finalize(self, _DROPPED.append, (self.fs, holding))
+                    self._dropped = weakref.finalize(self, holding.dropped.append, None)
                     self._dropped.atexit = False
                     return holding.owner
             assert unjudged is not None
@@ -569,11 +571,10 @@ class OwnerLease:
         """Give the lease back: delete the record if it is still ours. Idempotent. In a forked
         child of the holding process it only forgets the holding: the lease is the parent's."""
         holding, self._holding = self._own_holding(), None
-        if holding is not None:
-            assert self._dropped is not None  # (set with the holding)
-            self._dropped.detach()  # (given back here, once)
+        if holding is None or self._dropped is None:
+            return
+        if self._dropped.detach() is not None:  # (once: two threads may release at once)
             _give_back(self.fs, holding)
-        give_back_dropped()
 
     def __enter__(self) -> OwnerLease:
         self.acquire()
