@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ckptmgr.collectives import Collectives
 from ckptmgr.config import CheckpointConfig
 from ckptmgr.errors import CheckpointError, describe_error
-from ckptmgr.lease import OwnerLease, acquire_waiting_for_commands
+from ckptmgr.lease import COMMAND_WAIT_S, OwnerLease, acquire_waiting_for_commands
 from ckptmgr.storage import CheckpointStorage
 
 
@@ -52,7 +52,12 @@ def open_root(config: CheckpointConfig, comm: Collectives) -> OpenedRoot:
                 f"{config.path!r} (an in-memory file system); use async_mode='thread'"
             )
         if comm.is_coordinator:
-            lease, listed = _list_as_coordinator(storage, config)
+            # The other ranks wait in the collective below meanwhile: a command holding the
+            # root is waited for well within its timeout.
+            wait_s = COMMAND_WAIT_S
+            if comm.distributed:
+                wait_s = min(wait_s, config.collective_timeout_s / 2)
+            lease, listed = _list_as_coordinator(storage, config, wait_s)
     except Exception as exc:
         error = exc
     try:
@@ -86,10 +91,11 @@ def _told(error: Exception | None) -> tuple[bool, str] | None:
 
 
 def _list_as_coordinator(
-    storage: CheckpointStorage, config: CheckpointConfig
+    storage: CheckpointStorage, config: CheckpointConfig, wait_s: float
 ) -> tuple[OwnerLease | None, list[int]]:
-    """Rank 0's part: (the owner lease, taken; the committed steps, after the leftover sweep),
-    or for a read-only manager (no lease, no sweep: another job may be writing) just the list."""
+    """Rank 0's part: (the owner lease, taken, after waiting up to ``wait_s`` for a ``ckptmgr``
+    command that holds it; the committed steps, after the leftover sweep), or for a read-only
+    manager (no lease, no sweep: another job may be writing) just the list."""
     if config.read_only:
         return None, storage.committed_steps()
     lease = OwnerLease(
@@ -98,7 +104,7 @@ def _list_as_coordinator(
     try:  # (a storage operation: retried on a transient error, as every other)
         try:
             what = f"acquire the owner lease of {config.path}"
-            acquire_waiting_for_commands(lambda: storage.call(what, lease.acquire))
+            acquire_waiting_for_commands(lambda: storage.call(what, lease.acquire), wait_s)
         except FileNotFoundError as exc:  # (writing an object: its bucket is missing)
             if not storage.is_object_store:
                 raise
