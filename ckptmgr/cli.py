@@ -816,16 +816,31 @@ def run_prune(args: argparse.Namespace) -> int:
     """``ckptmgr prune``: apply retention policies, print the decision for every step."""
     policies = policies_from_args(args)
     storage = open_storage(args.path, args.storage_option)
-    # Planned and deleted under the root's lease (a dry run deletes nothing: it takes none), so
-    # that the plan is that of the root as no other command changes it meanwhile.
-    with holding_the_root(storage, "prune", force=args.force or args.dry_run):
-        return _prune(args, storage, policies)
+    report = prune_plan(args, storage, policies)
+    if args.dry_run or not report["to_delete"]:  # nothing deleted: the root is not taken
+        emit(report, args.json, render_prune)
+        return EXIT_OK
+    # Planned again and deleted under the root's lease: the plan of the root as no other
+    # command changes it meanwhile, and nothing deleted once a job took it over.
+    with holding_the_root(storage, "prune", force=args.force) as confirm:
+        report = prune_plan(args, storage, policies)
+        failure = None
+        if report["to_delete"]:
+            report["deleted"], failure = delete_with_progress(
+                storage,
+                report["to_delete"],
+                functools.partial(delete_steps, before_each=confirm),
+            )
+    emit(report, args.json, render_prune)
+    if failure is not None:  # (after the report of what was deleted)
+        raise failure
+    return EXIT_OK
 
 
-def _prune(
+def prune_plan(
     args: argparse.Namespace, storage: CheckpointStorage, policies: list[RetentionPolicy]
-) -> int:
-    """:func:`run_prune` once the root is held: plan, delete, report."""
+) -> Report:
+    """The JSON document of ``ckptmgr prune`` before anything is deleted."""
     reader = RecordReader(storage)
     retention_plan = plan(combine(policies), reader)
     infos, unreadable = reader.infos(retention_plan.listed)
@@ -836,7 +851,7 @@ def _prune(
             d for d in retention_plan.decisions if d.step not in unreadable or d.step in present
         ]
     committed_at = {info.step: format_timestamp(info.committed_at) for info in infos}
-    report: Report = {
+    return {
         "root": storage.url,
         "dry_run": bool(args.dry_run),
         "policies": [str(policy) for policy in policies],
@@ -852,15 +867,6 @@ def _prune(
         "to_delete": retention_plan.doomed,
         "deleted": [],
     }
-    failure = None
-    if not args.dry_run and retention_plan.doomed:
-        report["deleted"], failure = delete_with_progress(
-            storage, retention_plan.doomed, delete_steps
-        )
-    emit(report, args.json, render_prune)
-    if failure is not None:  # (after the report of what was deleted)
-        raise failure
-    return EXIT_OK
 
 
 def policies_from_args(args: argparse.Namespace) -> list[RetentionPolicy]:
@@ -934,13 +940,13 @@ def run_rm(args: argparse.Namespace) -> int:
     """``ckptmgr rm``: delete committed steps; none is deleted if one is not committed."""
     storage = open_storage(args.path, args.storage_option)
     steps = sorted(set(args.steps))
-    with holding_the_root(storage, "rm", force=args.force):
+    with holding_the_root(storage, "rm", force=args.force) as confirm:
         committed = set(storage.committed_steps())
         for step in steps:
             if step not in committed:
                 raise StepNotFoundError(step, committed)
         deleted, failure = delete_with_progress(
-            storage, steps, functools.partial(delete_steps, purpose="rm")
+            storage, steps, functools.partial(delete_steps, purpose="rm", before_each=confirm)
         )
     emit({"root": storage.url, "deleted": deleted}, args.json, render_rm)
     if failure is not None:  # (after the report of what was deleted)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ckptmgr.errors import CheckpointError
@@ -29,12 +29,17 @@ from ckptmgr.storage import CheckpointStorage
 
 
 @contextmanager
-def holding_the_root(storage: CheckpointStorage, command: str, *, force: bool) -> Iterator[None]:
+def holding_the_root(
+    storage: CheckpointStorage, command: str, *, force: bool
+) -> Iterator[Callable[[], None]]:
     """Hold ``storage``'s owner lease for the body (nothing with ``force``); a root owned by a
     live job raises ``CheckpointError`` naming it, before anything is deleted; one held by
-    another ``ckptmgr`` command is waited for, up to :data:`ckptmgr.lease.COMMAND_WAIT_S`."""
+    another ``ckptmgr`` command is waited for, up to :data:`ckptmgr.lease.COMMAND_WAIT_S`.
+
+    Yields a function to call before each delete: it raises ``LeaseLostError`` once a job took
+    the root over (``take_over=True``), so that no step is deleted under that job."""
     if force:
-        yield
+        yield _nothing
         return
     # A job id of its own: a command run inside the training job's allocation (the same SLURM
     # or torchrun id) must not count as that job restarting, which takes its lease over.
@@ -52,6 +57,10 @@ def holding_the_root(storage: CheckpointStorage, command: str, *, force: bool) -
             "retention deletes as it saves), or pass --force to delete anyway"
         ) from exc
     try:
-        yield
+        yield lease.confirm
     finally:
         lease.release()
+
+
+def _nothing() -> None:
+    """What ``--force`` checks before each delete."""

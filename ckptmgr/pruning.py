@@ -128,14 +128,18 @@ def delete_steps(
     on_deleted: Callable[[int], None] | None = None,
     *,
     purpose: str = "retention",
+    before_each: Callable[[], None] | None = None,
 ) -> None:
     """Delete ``steps``; tries every one, then raises ``CheckpointError`` naming the failures.
 
     ``on_deleted`` is called after each step that was deleted; ``purpose`` names the caller in
-    logs and errors.
+    logs and errors. ``before_each`` is called before each step is deleted: what it raises (the
+    root's lease lost, say) stops the deletes and is raised.
     """
     failures: list[tuple[int, Exception]] = []
     for step in steps:
+        if before_each is not None:
+            before_each()
         try:
             storage.delete_step(step)
         except Exception as exc:

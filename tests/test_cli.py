@@ -19,7 +19,7 @@ import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from ckptmgr import CheckpointManager, PerRank, cli, objects
 from ckptmgr.cli import parse_storage_option
 from ckptmgr.cli_export import NestedState, tensors_for_rank, unescape_key
 from ckptmgr.errors import CheckpointError
+from ckptmgr.lease import Owner
 from ckptmgr.record import record_bytes
 from ckptmgr.state import flatten
 from ckptmgr.storage import CheckpointStorage
@@ -570,6 +571,8 @@ def test_rm_and_prune_refuse_a_root_a_running_job_owns_unless_forced(
             message = one_error_line(refused.stderr)
             assert f"{root} is owned by a running job" in message and "--force" in message
             assert committed_steps(root) == sorted(LOSSES)
+        nothing_to_delete = run_cli("prune", str(root), "--keep-latest", "10")
+        assert nothing_to_delete.returncode == 0, nothing_to_delete.stderr  # (takes no lease)
         forced = run_cli("rm", str(root), "10", "--force")
         assert forced.returncode == 0, forced.stderr
         assert committed_steps(root) == [20, 30, 40, 50]
@@ -671,6 +674,32 @@ def test_another_librarys_error_is_shown_as_a_warning() -> None:
     )
     assert shown("ckptmgr.storage", logging.ERROR, "a failure") == "ckptmgr: error: a failure"
     assert shown("gcsfs", logging.WARNING, "retrying") == "ckptmgr: warning: gcsfs: retrying"
+
+
+def test_rm_stops_once_a_job_took_the_root_over(
+    source: SourceCheckpoint,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A job made with take_over=True takes the lease from a command still deleting; the
+    command checks the lease before each delete and stops, deleting nothing more under the job
+    (it went on deleting)."""
+    root = copy_root(source, tmp_path)
+    record = root / "owner.json"
+    delete_step = CheckpointStorage.delete_step
+
+    def then_taken_over(self: CheckpointStorage, step: int) -> None:
+        delete_step(self, step)
+        owner = Owner.from_json(record.read_bytes())  # a job takes the root over now
+        record.write_bytes(Owner(**{**asdict(owner), "lease_id": "the-job"}).to_json())
+
+    monkeypatch.setattr(CheckpointStorage, "delete_step", then_taken_over)
+    assert cli.main(["rm", str(root), "10", "20", "30", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["deleted"] == [10]
+    assert "taken over" in captured.err
+    assert committed_steps(root) == [20, 30, 40, 50]
 
 
 WITHOUT_TORCH = r"""
