@@ -13,6 +13,7 @@ from ckptmgr.preemption import PreemptionConfig
 from ckptmgr.retention import parse_policy
 from ckptmgr.retry import RetryConfig
 from ckptmgr.save_policy import parse_save_policy
+from ckptmgr.setting_types import Seconds
 
 
 class CheckpointConfig(BaseModel):
@@ -26,7 +27,6 @@ class CheckpointConfig(BaseModel):
         extra="forbid",
         arbitrary_types_allowed=True,
         validate_default=True,
-        validate_assignment=True,  # (config.max_to_keep = -5 was taken)
     )
 
     path: str = Field(min_length=1, description="Local path or fsspec URL of the checkpoint root.")
@@ -92,15 +92,13 @@ class CheckpointConfig(BaseModel):
     preemption: PreemptionConfig = Field(
         default_factory=PreemptionConfig, description="Where preemption notices come from."
     )
-    leftover_grace_s: float = Field(
+    leftover_grace_s: Seconds = Field(
         default=600.0,
-        strict=True,  # ("5" and True are no seconds)
         ge=0,
         description="Age after which uncommitted leftovers of interrupted saves are removed.",
     )
-    collective_timeout_s: float = Field(
+    collective_timeout_s: Seconds = Field(
         default=600.0,
-        strict=True,  # ("5" and True are no seconds)
         gt=0,
         allow_inf_nan=False,
         description="Timeout of the manager's own collectives.",
@@ -111,9 +109,8 @@ class CheckpointConfig(BaseModel):
         description="Take the owner lease (owner.json) of the root from another job that still "
         "looks alive; a dead or stale owner is taken over without it.",
     )
-    lease_timeout_s: float = Field(
+    lease_timeout_s: Seconds = Field(
         default=60.0,
-        strict=True,  # ("5" and True are no seconds)
         gt=0,
         allow_inf_nan=False,
         description="An owner lease whose heartbeat is older than this many seconds (and than "

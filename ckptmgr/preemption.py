@@ -24,6 +24,7 @@ from ckptmgr.notices.workers import (
     ignore_preemption_signals_in_worker,
 )
 from ckptmgr.notices.xla import XlaPreemptionSync, activate_xla_preemption_sync
+from ckptmgr.setting_types import Count, Seconds
 
 __all__ = [
     "DEFAULT_WORKER_SIGNALS",
@@ -71,25 +72,22 @@ class PreemptionConfig(BaseModel):
     file: str | None = Field(
         default=None, description="A path whose appearance is a notice (e.g. a preStop hook)."
     )
-    poll_interval_s: float = Field(
+    poll_interval_s: Seconds = Field(
         default=5.0,
-        strict=True,
         gt=0,
         le=3600,
         allow_inf_nan=False,
         description="Seconds between polls (AWS, Azure, file).",
     )
-    request_timeout_s: float = Field(
+    request_timeout_s: Seconds = Field(
         default=2.0,
-        strict=True,
         gt=0,
         le=300,
         allow_inf_nan=False,
         description="Timeout of one metadata request.",
     )
-    gce_long_poll_s: int = Field(
+    gce_long_poll_s: Count = Field(
         default=60,
-        strict=True,
         ge=1,
         le=3600,
         description="timeout_sec of each GCE wait_for_change request.",

@@ -30,6 +30,7 @@ import tenacity
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ckptmgr.s3_requests import send_small_bodies_at_once
+from ckptmgr.setting_types import Count, Seconds
 
 log = logging.getLogger("ckptmgr.retry")
 
@@ -125,15 +126,15 @@ class RetryConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_attempts: int = Field(default=5, ge=1, le=100, strict=True)
+    max_attempts: Count = Field(default=5, ge=1, le=100)
     """Attempts per storage operation, the first one included (1 disables retries)."""
-    client_attempts: int = Field(default=3, ge=1, le=20, strict=True)
+    client_attempts: Count = Field(default=3, ge=1, le=20)
     """Tries per HTTP request inside one attempt, on gs:// and s3:// (1 disables them)."""
-    initial_backoff_s: float = Field(default=0.25, ge=0.0, le=60.0, strict=True)
+    initial_backoff_s: Seconds = Field(default=0.25, ge=0.0, le=60.0)
     """The first wait, and the most random jitter added to each wait."""
-    max_backoff_s: float = Field(default=5.0, ge=0.0, le=600.0, strict=True)
+    max_backoff_s: Seconds = Field(default=5.0, ge=0.0, le=600.0)
     """The longest wait between two attempts (before jitter)."""
-    deadline_s: float = Field(default=20.0, gt=0.0, le=86400.0, strict=True)
+    deadline_s: Seconds = Field(default=20.0, gt=0.0, le=86400.0)
     """No attempt of an operation starts later than this many seconds after its first one."""
 
     @model_validator(mode="after")
