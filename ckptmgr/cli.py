@@ -118,24 +118,22 @@ def parse_storage_option(text: str) -> tuple[str, Any]:
 
 def parse_step(text: str) -> int:
     """A step number: a non-negative integer."""
-    try:
-        step = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a step must be an integer, got {text!r}") from None
-    if step < 0:
-        raise argparse.ArgumentTypeError(f"a step must be >= 0, got {step}")
-    return step
+    return _non_negative_int(text, "a step")
 
 
 def parse_rank(text: str) -> int:
     """A rank: a non-negative integer."""
+    return _non_negative_int(text, "a rank")
+
+
+def _non_negative_int(text: str, what: str) -> int:
     try:
-        rank = int(text)
+        number = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a rank must be an integer, got {text!r}") from None
-    if rank < 0:
-        raise argparse.ArgumentTypeError(f"a rank must be >= 0, got {rank}")
-    return rank
+        raise argparse.ArgumentTypeError(f"{what} must be an integer, got {text!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{what} must be >= 0, got {number}")
+    return number
 
 
 def parse_root(text: str) -> str:

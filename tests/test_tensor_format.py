@@ -711,33 +711,15 @@ def test_lazily_conjugated_and_negated_destinations_get_the_stored_values(
     assert torch.equal(other, stored["other"])
 
 
-@pytest.mark.parametrize("key", ["packed_key_under_test", "big"], ids=["packed", "alone"])
-def test_an_efficient_zero_tensor_destination_is_refused_by_name(tmp_path: Path, key: str) -> None:
-    """An efficient zero tensor (what forward-mode AD makes) is immutable and has no memory:
-    restoring into one failed with torch's "ZeroTensors are immutable" (packed) or DCP's
-    "Bad address" from reading into address 0 (alone), naming no key. It raises
-    CheckpointError naming the key (the checkpoint is not called damaged), and the same step
-    then restores into an ordinary tensor."""
-    saved = packed_state()
-    with manager(tmp_path) as mgr:
-        assert mgr.save(1, saved)
-        target = zeros_like_state(saved)
-        target[key] = torch._efficientzerotensor(saved[key].shape)
-        with pytest.raises(CheckpointError) as caught:
-            mgr.restore(1, target)
-        assert f"cannot restore into '{key}': it is an efficient zero tensor" in str(caught.value)
-        assert not isinstance(caught.value, CorruptCheckpointError)  # the checkpoint is fine
-        target[key] = torch.ones(saved[key].shape)
-        mgr.restore(1, target)
-    assert_bit_equal(target, saved)
-
-
 def _inference_zeros(shape: torch.Size) -> torch.Tensor:
     with torch.inference_mode():
         return torch.zeros(shape)
 
 
 UNWRITABLE_DESTINATIONS: dict[str, tuple[Callable[[torch.Size], torch.Tensor], str]] = {
+    # immutable, no memory: torch's "ZeroTensors are immutable" (packed), DCP's "Bad address"
+    # from reading into address 0 (alone)
+    "efficient_zero": (torch._efficientzerotensor, "it is an efficient zero tensor"),
     "expanded": (
         lambda shape: torch.zeros([1] * len(shape)).expand(shape),
         "several of its elements share memory",
@@ -752,8 +734,9 @@ UNWRITABLE_DESTINATIONS: dict[str, tuple[Callable[[torch.Size], torch.Tensor], s
 def test_a_destination_that_cannot_be_written_in_place_is_refused_by_name(
     tmp_path: Path, key: str, kind: str
 ) -> None:
-    """A destination torch cannot fill in place (elements sharing memory, no dense memory, an
-    inference tensor outside inference mode) failed with torch's message naming no key ("more
+    """A destination torch cannot fill in place (an efficient zero tensor, what forward-mode AD
+    makes; elements sharing memory; no dense memory; an inference tensor outside inference
+    mode) failed with torch's message naming no key ("more
     than one element of the written-to tensor refers to a single memory location", "nbytes is
     not defined for sparse tensors"...), a sparse one as a bare RuntimeError. It raises
     CheckpointError naming the key, and the same step then restores into an ordinary tensor.
