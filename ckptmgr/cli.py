@@ -977,6 +977,9 @@ def delete_with_progress(
             deleter(storage, steps, on_deleted=on_deleted)
         except CheckpointError as exc:
             return sorted(deleted), exc
+        except KeyboardInterrupt:  # (the report is not printed: what was deleted is said here)
+            print(f"{PROG}: deleted step(s) {sorted(deleted)} before Ctrl-C", file=sys.stderr)
+            raise
     return sorted(deleted), None
 
 

@@ -702,6 +702,29 @@ def test_rm_stops_once_a_job_took_the_root_over(
     assert committed_steps(root) == [20, 30, 40, 50]
 
 
+def test_ctrl_c_while_rm_deletes_says_what_was_deleted(
+    source: SourceCheckpoint,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Ctrl-C during the deletes printed only "ckptmgr: interrupted" (status 130), although
+    steps were deleted; it names them."""
+    root = copy_root(source, tmp_path)
+    delete_step = CheckpointStorage.delete_step
+
+    def interrupted_at_20(self: CheckpointStorage, step: int) -> None:
+        if step == 20:
+            raise KeyboardInterrupt
+        delete_step(self, step)
+
+    monkeypatch.setattr(CheckpointStorage, "delete_step", interrupted_at_20)
+    assert cli.main(["rm", str(root), "10", "20", "30"]) == 130
+    err = capsys.readouterr().err
+    assert "ckptmgr: deleted step(s) [10] before Ctrl-C" in err and "interrupted" in err
+    assert committed_steps(root) == [20, 30, 40, 50]
+
+
 WITHOUT_TORCH = r"""
 import contextlib, io, json, sys
 
