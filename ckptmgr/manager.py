@@ -159,6 +159,12 @@ class CheckpointManager:
             config = CheckpointConfig.from_file(config)
         elif not isinstance(config, CheckpointConfig):
             config = CheckpointConfig.model_validate(dict(config))
+        else:  # fields set after it was made are not checked then: checked now, in place
+            checked = CheckpointConfig.model_validate(
+                {name: getattr(config, name) for name in CheckpointConfig.model_fields}
+            )
+            for name in CheckpointConfig.model_fields:
+                setattr(config, name, getattr(checked, name))
         manager = cls.__new__(cls)
         manager._start(config)
         return manager

@@ -137,9 +137,14 @@ def delete_steps(
     root's lease lost, say) stops the deletes and is raised.
     """
     failures: list[tuple[int, Exception]] = []
+    stopped: tuple[int, Exception] | None = None
     for step in steps:
         if before_each is not None:
-            before_each()
+            try:
+                before_each()
+            except Exception as exc:  # (the root's lease lost, or not to be read)
+                stopped = (step, exc)
+                break
         try:
             storage.delete_step(step)
         except Exception as exc:
@@ -148,13 +153,26 @@ def delete_steps(
         log.info("deleted step %d (%s)", step, purpose)
         if on_deleted is not None:
             on_deleted(step)
+    problems: list[str] = []
     if failures:
         first_step, first_error = failures[0]
-        first_line = (str(first_error).strip().splitlines() or [""])[0]
-        raise CheckpointError(
+        problems.append(
             f"{purpose} could not delete step(s) {[s for s, _ in failures]} (step {first_step}: "
-            f"{type(first_error).__name__}: {first_line}); they stay in storage"
-        ) from first_error
+            f"{type(first_error).__name__}: {_first_line(first_error)}); they stay in storage"
+        )
+    if stopped is not None:
+        step, error = stopped
+        problems.append(
+            f"{purpose} stopped before step {step}: {type(error).__name__}: "
+            f"{_first_line(error)}; it and the steps after it stay in storage"
+        )
+    if problems:
+        cause = stopped[1] if stopped is not None else failures[0][1]
+        raise CheckpointError("; ".join(problems)) from cause
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
 
 
 def log_plan(plan_: RetentionPlan, *, dry_run: bool) -> None:

@@ -55,7 +55,7 @@ def open_root(config: CheckpointConfig, comm: Collectives) -> OpenedRoot:
             # The other ranks wait in the collective below meanwhile: a command holding the
             # root is waited for well within its timeout.
             wait_s = COMMAND_WAIT_S
-            if comm.distributed:
+            if comm.world_size > 1:
                 wait_s = min(wait_s, config.collective_timeout_s / 2)
             lease, listed = _list_as_coordinator(storage, config, wait_s)
     except Exception as exc:

@@ -11,8 +11,8 @@ from pydantic import BeforeValidator
 
 
 def _not_a_bool(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError(f"a bool is not a number here: {value!r}")
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        raise ValueError(f"a bool is not a number here: {value!r}")  # (numpy's np.True_ too)
     return value
 
 

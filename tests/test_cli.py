@@ -32,7 +32,7 @@ from ckptmgr import CheckpointManager, PerRank, cli, objects
 from ckptmgr.cli import parse_storage_option
 from ckptmgr.cli_export import NestedState, tensors_for_rank, unescape_key
 from ckptmgr.errors import CheckpointError
-from ckptmgr.lease import Owner
+from ckptmgr.lease import Owner, OwnerLease
 from ckptmgr.record import record_bytes
 from ckptmgr.state import flatten
 from ckptmgr.storage import CheckpointStorage
@@ -700,6 +700,43 @@ def test_rm_stops_once_a_job_took_the_root_over(
     assert json.loads(captured.out)["deleted"] == [10]
     assert "taken over" in captured.err
     assert committed_steps(root) == [20, 30, 40, 50]
+
+
+def test_rm_whose_lease_check_fails_reports_every_problem(
+    source: SourceCheckpoint,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A check of the lease that failed with an OSError (owner.json not to be read) escaped
+    the report (empty stdout under --json, the deleted steps named nowhere), and a lease lost
+    hid the steps that had failed to delete before it. Both are said, after the report."""
+    root = copy_root(source, tmp_path)
+    delete_step = CheckpointStorage.delete_step
+
+    def failing_at_10(self: CheckpointStorage, step: int) -> None:
+        if step == 10:
+            raise PermissionError(13, "Permission denied (injected)", "step_000000000010")
+        delete_step(self, step)
+
+    checks = iter([None, None, PermissionError(13, "owner.json unreadable (injected)")])
+
+    def confirm(self: Any) -> None:
+        error = next(checks)
+        if error is not None:
+            raise error
+
+    monkeypatch.setattr(CheckpointStorage, "delete_step", failing_at_10)
+    monkeypatch.setattr(OwnerLease, "confirm", confirm)
+    assert cli.main(["rm", str(root), "10", "20", "30", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["deleted"] == [20]
+    assert "could not delete step(s) [10]" in captured.err
+    assert (
+        "stopped before step 30: PermissionError: [Errno 13] owner.json unreadable" in captured.err
+    )
+    assert committed_steps(root) == [10, 30, 40, 50]
+    assert not (root / "owner.json").exists()  # (the lease was given back)
 
 
 def test_ctrl_c_while_rm_deletes_says_what_was_deleted(

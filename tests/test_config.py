@@ -40,6 +40,7 @@ INVALID = [
     pytest.param("retry", {"deadline_s": True}, id="retry.deadline_s=True"),
     pytest.param("preemption", {"gce_long_poll_s": True}, id="preemption.gce_long_poll_s=True"),
     pytest.param("preemption", {"poll_interval_s": True}, id="preemption.poll_interval_s=True"),
+    pytest.param("lease_timeout_s", np.True_, id="lease_timeout_s=np.True_"),
 ]
 
 XLA_PARAMETERS = [
@@ -102,6 +103,21 @@ def test_numbers_as_yaml_and_numpy_give_them_are_settings(ckpt_dir: Path) -> Non
     )
     assert config.leftover_grace_s == 1000.0 and config.lease_timeout_s == 30.0
     assert config.retry.max_attempts == 3 and config.preemption.gce_long_poll_s == 30
+
+
+def test_from_config_checks_a_config_changed_after_it_was_made(ckpt_dir: Path) -> None:
+    """A field assigned after the config was made is not checked then (pydantic checks fields
+    as they are given): from_config took max_to_keep = -5 and lease_timeout_s = True (a 1 s
+    lease). It checks the config again, in place."""
+    config = CheckpointConfig(**settings(ckpt_dir))
+    config.max_to_keep = -5
+    with pytest.raises(ValueError, match="max_to_keep"):
+        CheckpointManager.from_config(config)
+    config.max_to_keep = 3
+    config.retention = [{"type": "keep_every_n_steps", "n": 100}]  # (a form the model parses)
+    with CheckpointManager.from_config(config) as manager:
+        assert manager.config is config and manager.max_to_keep == 3
+        assert [type(policy).__name__ for policy in config.retention] == ["KeepEveryNSteps"]
 
 
 def test_unknown_setting_is_rejected(ckpt_dir: Path) -> None:

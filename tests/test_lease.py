@@ -9,7 +9,6 @@ they cannot be produced on one machine in reasonable time.
 from __future__ import annotations
 
 import errno
-import gc
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from conftest import REPO, in_forked_child
+from conftest import REPO, in_forked_child, run_python
 from fsspec.implementations.local import LocalFileSystem
 
 from ckptmgr import CheckpointError
@@ -410,7 +409,6 @@ def test_a_new_record_is_never_seen_empty(root: Path, monkeypatch: pytest.Monkey
     for damaged, so stale, and took it over while its writer went on as the owner. Now the
     record appears with its content (here: while the content is made durable, the record does
     not exist yet)."""
-    import ckptmgr.lease as lease_module
 
     seen_while_syncing: list[bool] = []
     real_fsync = os.fsync
@@ -430,7 +428,6 @@ def test_without_hard_links_the_record_is_still_created_once(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Some FUSE mounts refuse link(): the record is then created with O_EXCL and written."""
-    import ckptmgr.lease as lease_module
 
     def no_links(source: str, target: str) -> None:
         raise PermissionError(1, "Operation not permitted")
@@ -538,7 +535,6 @@ class _TakeOverInTheMiddle:
     writes once the thief has either finished or waits for the record's lock."""
 
     def __init__(self, thief: OwnerLease, monkeypatch: pytest.MonkeyPatch) -> None:
-        import ckptmgr.lease as lease_module
 
         self.thief = thief
         self.thief_waits = threading.Event()
@@ -582,8 +578,6 @@ def _refuse_flock_of_directories(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault injection: ``flock`` of a directory fails with EBADF, as on NFS (which locks only
     files open for writing)."""
     import stat
-
-    import ckptmgr.lease as lease_module
 
     real_flock = lease_module.fcntl.flock
 
@@ -630,7 +624,6 @@ def test_a_heartbeat_never_overwrites_a_take_over_written_after_its_read(
 def test_where_nothing_can_be_locked_the_lease_still_works_and_says_so(
     root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import ckptmgr.lease as lease_module
 
     def no_flock(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
@@ -648,7 +641,6 @@ def test_without_fcntl_the_lease_works_unlocked(
 ) -> None:
     """Windows has no ``fcntl``: importing ckptmgr must not fail there, and the lease works
     without the lock (quietly: nothing could have it)."""
-    import ckptmgr.lease as lease_module
 
     monkeypatch.setattr(lease_module, "fcntl", None)
     with caplog.at_level(logging.WARNING, logger="ckptmgr.lease"):
@@ -840,24 +832,34 @@ def test_an_owner_that_is_pid_1_is_an_ancestor_too(root: Path) -> None:
     assert done.stdout.split("\n")[:2] == ["child refused", "owner pid 1 still holds"]
 
 
+COLLECTED_INSIDE_ACQUIRE = r"""
+import gc, sys
+from pathlib import Path
+from fsspec.implementations.local import LocalFileSystem
+from ckptmgr import lease as lease_module
+from ckptmgr.lease import LEASE_NAME, OwnerLease
+
+root = Path(sys.argv[1])
+lease = OwnerLease(LocalFileSystem(), str(root))
+lease.acquire()
+holding = lease_module._HOLDINGS[lease._key()]
+lease.cycle = lease  # (freed by a collection)
+with lease_module._HOLDINGS_LOCK:  # as inside acquire()
+    del lease
+    gc.collect()  # runs the finalizer here
+held = (root / LEASE_NAME).exists()
+holding.give_back_dropped()  # (what its heartbeat, or an acquire of the root, runs)
+print("given back" if held and not (root / LEASE_NAME).exists() else "not given back")
+"""
+
+
 def test_a_handle_collected_inside_acquire_is_given_back_after_it(tmp_path: Path) -> None:
     """A handle dropped without release() is given back, but not by its finalizer itself: a
     collection can start anywhere, inside acquire() too, which holds the lock of the process's
-    holdings; a finalizer that gave back there waited for that lock for ever."""
-
-    def work() -> bytes:
-        root = tmp_path / "run"
-        root.mkdir()
-        lease = OwnerLease(LocalFileSystem(), str(root))
-        lease.acquire()
-        holding = lease_module._HOLDINGS[lease._key()]
-        lease.cycle = lease  # type: ignore[attr-defined]  # (freed by a collection)
-        with lease_module._HOLDINGS_LOCK:  # as inside acquire()
-            del lease
-            gc.collect()  # runs the finalizer here
-        held = (root / LEASE_NAME).exists()
-        holding.give_back_dropped()  # (what its heartbeat, or an acquire of the root, runs)
-        given_back = not (root / LEASE_NAME).exists()
-        return b"given back" if held and given_back else f"{held} {given_back}".encode()
-
-    assert in_forked_child(work, timeout_s=20) == b"given back"
+    holdings; a finalizer that gave back there waited for that lock for ever. (In a fresh
+    interpreter: a forked child of a test process whose other threads held locks at the fork
+    could hang for reasons of its own.)"""
+    root = tmp_path / "run"
+    root.mkdir()
+    result = run_python(COLLECTED_INSIDE_ACQUIRE, str(root), timeout=BOUND_S)
+    assert result.returncode == 0 and result.stdout.strip() == "given back", result
