@@ -3,8 +3,8 @@
 ``ckptmgr rm`` and ``ckptmgr prune`` delete as a manager's retention does, and like a manager
 they hold the root's owner lease (:mod:`ckptmgr.lease`) while they do: a root that a running
 job owns is refused, rather than having steps deleted under that job (the step it would resume
-from, say), and a job that starts meanwhile is refused until the command is done. A root that
-another ``ckptmgr`` command holds is waited for (two prunes at once both do their work). A dead
+from, say), and a job that starts meanwhile waits for the command, as does another ``ckptmgr``
+command (two prunes at once both do their work). A dead
 owner, or one whose heartbeat is stale, is taken over as a manager would. ``--force`` deletes
 without the lease.
 """

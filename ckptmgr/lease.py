@@ -263,7 +263,7 @@ class _Holding:
                 self.dropped.popleft()
             except IndexError:
                 return
-            _give_back(self.fs, self)
+            _give_back(self)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -574,7 +574,7 @@ class OwnerLease:
         if holding is None or self._dropped is None:
             return
         if self._dropped.detach() is not None:  # (once: two threads may release at once)
-            _give_back(self.fs, holding)
+            _give_back(holding)
 
     def __enter__(self) -> OwnerLease:
         self.acquire()
@@ -610,7 +610,7 @@ def acquire_waiting_for_commands(
             time.sleep(_COMMAND_POLL_S)
 
 
-def _give_back(fs: AbstractFileSystem, holding: _Holding) -> None:
+def _give_back(holding: _Holding) -> None:
     """One handle's release of ``holding``: the last user of the process stops its heartbeat
     and deletes the record if it is still ours. Nothing in a forked child (the parent's)."""
     if holding.pid != os.getpid():
@@ -624,6 +624,7 @@ def _give_back(fs: AbstractFileSystem, holding: _Holding) -> None:
     holding.stop()
     if holding.lost is not None:
         return
+    fs = holding.fs
     try:
         with _record_lock(fs, holding.path):  # not a take-over written in between
             current = _read(fs, holding.path)
