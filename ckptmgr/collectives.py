@@ -6,8 +6,11 @@ with (or deadlock against) collectives the training loop issues on its own group
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as _dt
+import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,8 +32,7 @@ class Collectives:
             if process_group is not None:
                 raise ValueError("process_group was given but torch.distributed is not initialised")
             self.rank, self.world_size = 0, 1
-            self.background_group: dist.ProcessGroup | None = None
-            self.control_group: dist.ProcessGroup | None = None
+            self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
             return
         self._agreement_flags = torch.zeros(3, dtype=torch.int32)
         self.rank = dist.get_rank(process_group)
@@ -39,13 +41,53 @@ class Collectives:
         timeout = _dt.timedelta(seconds=timeout_s)
         # Only the group's own ranks take part (use_local_synchronization), so managers of
         # disjoint subgroups can be created independently of each other.
-        self.background_group = self._new_group(ranks, timeout)
+        background_group = self._new_group(ranks, timeout)
         try:
-            self.control_group = self._new_group(ranks, timeout)
+            control_group = self._new_group(ranks, timeout)
         except BaseException:
             with contextlib.suppress(Exception):  # (the error raised is the rendezvous')
-                dist.destroy_process_group(self.background_group)
+                dist.destroy_process_group(background_group)
             raise
+        self._groups = (background_group, control_group)
+        self._released = False
+        _GROUPS_TO_RELEASE_AT_EXIT[self] = os.getpid()
+
+    @property
+    def background_group(self) -> dist.ProcessGroup | None:
+        """The gloo group of DCP's planning and the commit protocol (None without
+        ``torch.distributed``)."""
+        return self._group(0)
+
+    @property
+    def control_group(self) -> dist.ProcessGroup | None:
+        """The gloo group of save decisions (None without ``torch.distributed``)."""
+        return self._group(1)
+
+    def _group(self, index: int) -> dist.ProcessGroup | None:
+        if self._groups is not None:
+            return self._groups[index]
+        if self.distributed and self._released:
+            raise CheckpointError(
+                "the manager's process groups were destroyed at interpreter exit: a manager "
+                "cannot save or restore from an atexit hook that runs after ckptmgr's"
+            )
+        return None
+
+    def release_groups(self) -> None:
+        """Destroy the manager's two gloo groups and drop them (at interpreter exit).
+
+        Their gloo threads stop with them. Groups left alive into the interpreter's
+        finalization abort the process now and then ("terminate called without an active
+        exception"): a gloo thread that frees a finished collective's tensors then needs the
+        GIL. ``destroy_process_group()`` of the whole job does not stop them while the manager
+        still holds them. Not done at :meth:`~ckptmgr.CheckpointManager.close`: torch 2.13
+        names later groups after the count of live ones, so destroying two would give the
+        next groups made the names of live ones (see docs/distributed.md).
+        """
+        groups, self._groups, self._released = self._groups, None, True
+        for group in groups or ():
+            with contextlib.suppress(Exception):  # destroyed already (destroy_process_group())
+                dist.destroy_process_group(group)
 
     def _new_group(self, ranks: list[int], timeout: _dt.timedelta) -> dist.ProcessGroup:
         """A gloo group of ``ranks``; a rendezvous that failed (another rank did not make its
@@ -119,3 +161,19 @@ class Collectives:
                 f"{what} with the other ranks failed: a rank died, or did not make the same "
                 f"call within collective_timeout_s ({self.timeout_s:g} s): {describe_error(exc)}"
             ) from exc
+
+
+# Each distributed Collectives, with the process that made it (a forked child exiting
+# normally leaves its parent's groups alone).
+_GROUPS_TO_RELEASE_AT_EXIT: weakref.WeakKeyDictionary[Collectives, int] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@atexit.register
+def _release_groups_at_exit() -> None:
+    """Release every manager's groups once the interpreter's threads have been joined (a
+    manager's background saves run on a thread that interpreter exit waits for)."""
+    for comm, pid in list(_GROUPS_TO_RELEASE_AT_EXIT.items()):
+        if pid == os.getpid():
+            comm.release_groups()

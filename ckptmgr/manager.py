@@ -192,7 +192,7 @@ class CheckpointManager:
         self._save_process: SaveProcess | None = None
         if process_mode:
             self._save_process = SaveProcess(
-                self._comm.background_group if self._comm.distributed else None,
+                self._comm if self._comm.distributed else None,
                 config.collective_timeout_s,
                 kept_per_slot=config.max_pending_async,
             )

@@ -46,7 +46,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,9 @@ from ckptmgr.bootstrap_guard import ENTRY_POINT_HINT
 from ckptmgr.errors import CheckpointError
 from ckptmgr.niceness import background_niceness, set_background_niceness
 from ckptmgr.staging import shared_arenas
+
+if TYPE_CHECKING:
+    from ckptmgr.collectives import Collectives
 
 log = logging.getLogger(__name__)
 
@@ -484,14 +487,14 @@ def available() -> bool:
 class SaveProcess:
     """One manager's checkpoint daemon, started on first use.
 
-    Distributed, starting a daemon is a collective over ``group``: every rank calls
-    :meth:`save` in the same order, and when any rank's daemon is not :attr:`healthy` every
-    rank calls :meth:`reset` first (the manager agrees on that before each save), so the
-    daemons are always replaced together.
+    Distributed (``comm`` given), starting a daemon is a collective over its background group:
+    every rank calls :meth:`save` in the same order, and when any rank's daemon is not
+    :attr:`healthy` every rank calls :meth:`reset` first (the manager agrees on that before
+    each save), so the daemons are always replaced together.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None, timeout_s: float, *, kept_per_slot: int = 1
+        self, comm: Collectives | None, timeout_s: float, *, kept_per_slot: int = 1
     ) -> None:
         """``kept_per_slot``: how many values the daemon keeps in each slot of
         :meth:`kept_in_daemon`, the most recently sent ones (the manager's staging slots,
@@ -504,7 +507,7 @@ class SaveProcess:
                 f"async_mode='process' needs DCP's process-based async checkpointing, which "
                 f"torch {torch.__version__} does not have; use async_mode='thread'"
             )
-        self._group = group
+        self._comm = comm  # (its group is read when used: it is destroyed at interpreter exit)
         self._timeout_s = timeout_s
         self._daemon: Any = None
         self._exit_hook: multiprocessing.util.Finalize | None = None  # stops the daemon
@@ -551,13 +554,13 @@ class SaveProcess:
             daemon = self._daemon
             try:
                 staged = self._state_to_send(tensors)
-                metadata = daemon.save(staged, storage_writer=writer, no_dist=self._group is None)
+                metadata = daemon.save(staged, storage_writer=writer, no_dist=self._comm is None)
                 self._sent_state_kept()
                 return self._with_entries(metadata)
             except BaseException as exc:
                 process = daemon._save_process
                 answered = getattr(exc, ANSWERED_ATTRIBUTE, False)
-                if self._group is None and answered and process.is_alive():
+                if self._comm is None and answered and process.is_alive():
                     self._sent_state_kept()
                     raise  # the daemon failed the save itself and serves on: kept
                 self._failed = True
@@ -788,8 +791,8 @@ class SaveProcess:
         whose store the daemon binds to a port of the kernel's choice (port 0: a port chosen
         here, free when probed, was taken by another process's daemon started at the same
         time, a forked child's, before this daemon bound it: EADDRINUSE)."""
-        if self._group is not None:
-            return _ProcessGroupInitInfo(self._group)
+        if self._comm is not None:
+            return _ProcessGroupInitInfo(self._comm.background_group)
         info = _ProcessGroupInitInfo.__new__(_ProcessGroupInitInfo)
         info.local_rank = 0
         info.global_rank = 0
