@@ -67,7 +67,10 @@ class FakeMetadataServer:
         self._aws_tokens: set[str] = set()
         self._azure_events: list[dict[str, Any]] = []
         self._azure_incarnation = 1
-        self._failures: list[tuple[str, int]] = []  # (path prefix, status), consumed in order
+        # (path prefix, status, body), consumed in order
+        self._failures: list[tuple[str, int, bytes]] = []
+        #: GCE answers at once, each time with a new ETag (a server ignoring wait_for_change)
+        self.gce_ignores_wait_for_change = False
         self._seen: list[Seen] = []
         self._stopping = False
         self._hanging = 0  # GCE requests blocked in wait_for_change right now
@@ -116,7 +119,7 @@ class FakeMetadataServer:
         with self._cond:
             self._aws_tokens.clear()
 
-    def add_azure_event(self, event_type: str, resources: list[str] | None = None) -> str:
+    def add_azure_event(self, event_type: str, resources: list[str] | str | None = None) -> str:
         """Schedule an Azure event for ``resources`` (default: this VM); returns its EventId."""
         event_id = secrets.token_hex(8).upper()
         with self._cond:
@@ -136,10 +139,13 @@ class FakeMetadataServer:
             self._azure_incarnation += 1
         return event_id
 
-    def fail_next(self, count: int, status: int = 503, prefix: str = "/") -> None:
-        """Answer the next ``count`` requests whose path starts with ``prefix`` with ``status``."""
+    def fail_next(
+        self, count: int, status: int = 503, prefix: str = "/", body: bytes = b"injected failure"
+    ) -> None:
+        """Answer the next ``count`` requests whose path starts with ``prefix`` with ``status``
+        (and ``body``: a garbled answer with status 200)."""
         with self._cond:
-            self._failures.extend([(prefix, status)] * count)
+            self._failures.extend([(prefix, status, body)] * count)
 
     # -- observation -----------------------------------------------------------------------------
     def requests(self, prefix: str = "/", status: int | None = None) -> list[Seen]:
@@ -192,11 +198,11 @@ class FakeMetadataServer:
         value, version = self._gce[key]
         return hashlib.sha1(f"{key}:{version}:{value}".encode()).hexdigest()[:16]
 
-    def _take_failure(self, path: str) -> int | None:
-        for index, (prefix, status) in enumerate(self._failures):
+    def _take_failure(self, path: str) -> tuple[int, bytes] | None:
+        for index, (prefix, status, body) in enumerate(self._failures):
             if path.startswith(prefix):
                 del self._failures[index]
-                return status
+                return status, body
         return None
 
     def _record(self, method: str, path: str, query: dict[str, str], status: int) -> None:
@@ -212,7 +218,7 @@ class FakeMetadataServer:
             injected = self._take_failure(path)
         headers: dict[str, str] = {}
         if injected is not None:
-            status, body = injected, b"injected failure"
+            status, body = injected
             if path.startswith(GCE_PREFIX):
                 headers["Metadata-Flavor"] = "Google"
         elif path.startswith(GCE_PREFIX) or path == "/":
@@ -248,7 +254,10 @@ class FakeMetadataServer:
         with self._cond:
             if key not in self._gce:
                 return 404, b"not found", flavor
-            if query.get("wait_for_change") == "true":
+            if query.get("wait_for_change") == "true" and self.gce_ignores_wait_for_change:
+                value, version = self._gce[key]
+                self._gce[key] = (value, version + 1)
+            elif query.get("wait_for_change") == "true":
                 timeout = min(float(query.get("timeout_sec", MAX_WAIT_S)), MAX_WAIT_S)
                 deadline = time.monotonic() + timeout
                 last = query.get("last_etag")

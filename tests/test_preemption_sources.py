@@ -356,6 +356,46 @@ def test_azure_preempt_and_terminate_for_this_vm(
     assert server.count(status=400) == 0, "a request went out without Metadata: true"
 
 
+def test_gce_paces_a_server_that_ignores_wait_for_change(
+    server: FakeMetadataServer, monitors: Callable[..., PreemptionMonitor]
+) -> None:
+    """A server that answers each long poll at once with a new ETag (as if the value changed
+    every time) is polled every poll_interval_s, not in a loop of a thousand requests a second
+    (a quick answer with a new ETag made the next poll go at once)."""
+    key = GCE_PREFIX + "preempted"
+    server.gce_ignores_wait_for_change = True
+    interval = 0.2
+    monitor = monitors(gce=True, poll_interval_s=interval)
+    assert_watching(monitor, "gce-preempted")
+    start, started = server.count(key), time.monotonic()
+    assert server.wait_for_requests(key, start + 8, WAIT_S)
+    # Eight answers at once would take milliseconds; paced, at least 3 pauses lie between them.
+    assert time.monotonic() - started >= 3 * interval, "the watcher polled in a loop"
+    server.set_gce("preempted", "TRUE")
+    assert wait_for_notice(monitor, interval + MARGIN_S).source == "gce preempted=TRUE"
+
+
+def test_azure_retries_a_garbled_answer_and_reads_a_resource_as_one_name(
+    server: FakeMetadataServer, monitors: Callable[..., PreemptionMonitor]
+) -> None:
+    """An answer whose Events is no list is retried (it stopped the watcher for good: a later
+    Preempt was missed), and Resources given as a string is a VM's name, not a text searched
+    for this VM's ("vm01" named this VM "vm0")."""
+    events = "/metadata/scheduledevents"
+    monitor = monitors(azure=True, poll_interval_s=POLL_S)
+    assert_watching(monitor, "azure")
+    server.fail_next(1, 200, prefix=events, body=b'{"Events": true}')
+    server.add_azure_event("Preempt", resources="vm01")  # another VM
+    assert server.wait_for_requests(events, server.count(events) + 3, WAIT_S)
+    assert not monitor.notified, monitor.notice
+    status = monitor.sources["azure"]
+    assert status.state == "watching" and status.errors >= 1, status
+
+    event_id = server.add_azure_event("Preempt", resources="vm0")
+    notice = wait_for_notice(monitor, POLL_S + MARGIN_S)
+    assert notice.source == "azure Preempt" and f"EventId={event_id}" in notice.detail
+
+
 # -- the file trigger ----------------------------------------------------------------------------
 def wait_for_polls(monitor: PreemptionMonitor, name: str, more: int) -> None:
     start = monitor.sources[name].polls

@@ -55,10 +55,12 @@ class AzureWatcher(Watcher):
             events = json.loads(response.body).get("Events") or []
         except (ValueError, AttributeError) as error:
             raise UnexpectedStatus(self._events_url + f" (bad JSON: {error})", 200) from None
+        if not isinstance(events, list):  # a garbled answer: no usable answer this time
+            raise UnexpectedStatus(self._events_url + " (Events is not a list)", 200)
         for event in events:
             if not isinstance(event, dict) or event.get("EventType") not in EVENT_TYPES:
                 continue
-            resources = event.get("Resources") or []
+            resources = _resource_names(event.get("Resources"))
             if resources and self._vm_name and self._vm_name not in resources:
                 continue  # an event for another VM of the same scale set or availability set
             event_id = str(event.get("EventId", ""))
@@ -67,3 +69,14 @@ class AzureWatcher(Watcher):
             self._seen.add(event_id)
             detail = f"EventId={event_id} NotBefore={event.get('NotBefore', '')}"
             self.post(f"azure {event['EventType']}", detail)
+
+
+def _resource_names(resources: object) -> list[str]:
+    """The VM names an event's ``Resources`` lists: a string is one name (not a text to search),
+    anything but a list of names none (the event is taken to be for this VM: an extra
+    checkpoint is cheaper than a missed eviction)."""
+    if isinstance(resources, str):
+        return [resources] if resources else []
+    if isinstance(resources, list):
+        return [name for name in resources if isinstance(name, str)]
+    return []

@@ -47,7 +47,7 @@ class GceWatcher(Watcher):
         self._long_poll_s = long_poll_s
         self._etag: str | None = None
         self._was_bad = False
-        self._changed = True
+        self._quick_answers = 0  # long polls in a row answered within a second
 
     def present(self) -> bool:
         return bool(os.environ.get(ENV_VAR, "").strip()) or on_gce()
@@ -75,19 +75,20 @@ class GceWatcher(Watcher):
             "GET", url, HEADERS, self._long_poll_s + self.request_timeout_s
         )
         self._observe(response)
-        # A server that ignores wait_for_change would make this loop spin: pace it then.
-        self._changed = self._changed or time.monotonic() - started >= 1.0
+        # A long poll answers at once only when the value changed since last_etag; a server
+        # that ignores wait_for_change (answering at once, with a new ETag or not) would make
+        # this loop spin: a second quick answer in a row is paced.
+        quick = time.monotonic() - started < 1.0
+        self._quick_answers = self._quick_answers + 1 if quick else 0
 
     def pause_after_poll(self) -> float:
-        return 0.0 if self._changed else self.poll_interval_s
+        return 0.0 if self._quick_answers <= 1 else self.poll_interval_s
 
     def _observe(self, response: Response) -> None:
         if response.status != 200:
             raise UnexpectedStatus(self._url, response.status)
         value = response.text
-        etag = response.headers.get("ETag")
-        self._changed = etag is not None and etag != self._etag
-        self._etag = etag
+        self._etag = response.headers.get("ETag")
         bad = value in self._bad_values
         if bad and not self._was_bad:
             self.post(f"gce {self.key}={value}")
