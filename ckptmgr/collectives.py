@@ -129,25 +129,26 @@ class Collectives:
         return out
 
     def agree(
-        self, any_flag: bool, coordinator_flag: bool, failed: bool = False
-    ) -> tuple[bool, bool, bool]:
-        """(``any_flag`` of any rank, rank 0's ``coordinator_flag``, ``failed`` on any rank) on
-        every rank.
+        self, highest: int, coordinator_flag: bool, failed: bool = False
+    ) -> tuple[int, bool, bool]:
+        """(the highest ``highest`` of any rank, rank 0's ``coordinator_flag``, ``failed`` on any
+        rank) on every rank. ``highest`` is a number from 0 (the manager's: 0 for no preemption
+        notice, else the exit status it asks for), or a bool.
 
         One 3-element all_reduce(MAX) on the control group: other ranks contribute 0 for the
         second flag, so rank 0's value wins.
         """
         if not self.distributed or self.world_size == 1:
-            return any_flag, coordinator_flag, failed
+            return int(highest), coordinator_flag, failed
         mine = coordinator_flag if self.is_coordinator else False
         flags = self._agreement_flags  # one reused buffer: gloo sets up each new one (~0.2 ms)
-        flags[0] = int(any_flag)
+        flags[0] = int(highest)
         flags[1] = int(mine)
         flags[2] = int(failed)
         with self._with_the_other_ranks("an all_reduce"):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
-        agreed_any, agreed_coordinator, any_failed = flags.tolist()
-        return bool(agreed_any), bool(agreed_coordinator), bool(any_failed)
+        agreed_highest, agreed_coordinator, any_failed = flags.tolist()
+        return int(agreed_highest), bool(agreed_coordinator), bool(any_failed)
 
     @contextmanager
     def _with_the_other_ranks(self, what: str) -> Iterator[None]:

@@ -37,8 +37,10 @@ from ckptmgr.errors import (
 from ckptmgr.gc_pause import gc_paused
 from ckptmgr.integrity import raise_problems
 from ckptmgr.lease import LeaseLostError, OwnerLease
+from ckptmgr.notices.base import DEFAULT_EXIT_CODE
 from ckptmgr.packing import PackedTensor
 from ckptmgr.preemption import PreemptionConfig, PreemptionMonitor, PreemptionNotice
+from ckptmgr.process_exit import end_process_now
 from ckptmgr.record import (
     CommitRecord,
     FileEntry,
@@ -232,7 +234,10 @@ class CheckpointManager:
             raise
         self._steps_decided = 0  # steps with an agreed decision, the same count on every rank
         self._last_decided_step: int | None = None
-        self._answered_notice: PreemptionNotice | None = None  # its exit_code for exit_after_save
+        self._answered_notice: PreemptionNotice | None = None  # this rank's, for the log
+        # The exit status of exit_after_save, agreed by the ranks with the notice: the highest
+        # of the notices' statuses (128 + the signal; 143 for notices that are not signals).
+        self._preemption_exit_code = DEFAULT_EXIT_CODE
         self._closed = False
         self._pid = os.getpid()  # a forked child must not use what belongs to this process
         log.info("checkpoints at %s: committed steps %s", config.path, sorted(self._committed))
@@ -287,8 +292,12 @@ class CheckpointManager:
             and self._preemption_claimed is None
             and self._preemption_reached is None
         )
-        if notice and monitor is not None and monitor.notice is not None:
-            self._answered_notice = monitor.notice  # read before clear(); None on other ranks
+        current = monitor.notice if notice and monitor is not None else None
+        if current is not None:
+            self._answered_notice = current  # read before clear(); None on other ranks
+        notice_code = 0  # none; else the exit status it asks for (an XLA sync point: SIGTERM's)
+        if notice:
+            notice_code = current.exit_code if current is not None else DEFAULT_EXIT_CODE
         policy_error: Exception | None = None
         try:
             scheduled = self._schedule.wants(step, time.monotonic())
@@ -311,7 +320,12 @@ class CheckpointManager:
             return False, scheduled and not self._schedule_needs_agreement
         # A policy that raised on one rank only fails this decision on every rank (a rank that
         # raised alone would leave the others waiting in this collective).
-        preempt, scheduled, failed = self._comm.agree(notice, scheduled, policy_error is not None)
+        agreed_code, scheduled, failed = self._comm.agree(
+            notice_code, scheduled, policy_error is not None
+        )
+        preempt = agreed_code > 0
+        if preempt:
+            self._preemption_exit_code = agreed_code
         if policy_error is not None:
             raise policy_error
         if failed:
@@ -336,7 +350,9 @@ class CheckpointManager:
 
     def _exit_if_preemption_answered(self) -> None:
         """With ``exit_after_save``: once the preemption checkpoint is committed, join, close
-        and exit the process with 128+signal (143 when the notice was not a signal)."""
+        and exit the process with 128+signal (143 when the notice was not a signal; the same
+        status on every rank, the highest of the notices'): ``SystemExit`` on the main thread,
+        :func:`~ckptmgr.process_exit.end_process_now` on any other."""
         if not self.config.preemption.exit_after_save:
             return
         if self._preemption_claimed is None and self._preemption_reached is None:
@@ -347,8 +363,7 @@ class CheckpointManager:
             return
         for error in self._writer.take_errors():  # committed: every rank exits, none raises
             log.error("exiting after the preemption checkpoint despite: %s", error)
-        notice = self._answered_notice
-        code = notice.exit_code if notice is not None else 143
+        code = self._preemption_exit_code
         log.warning(
             "exiting with status %d after the preemption checkpoint (exit_after_save)", code
         )
@@ -356,7 +371,11 @@ class CheckpointManager:
             self.close()
         except Exception as exc:  # the checkpoint is committed: exit on every rank regardless
             log.error("exiting after the preemption checkpoint despite: %s", exc)
-        raise SystemExit(code)
+        if threading.current_thread() is threading.main_thread():
+            raise SystemExit(code)
+        # SystemExit would end this thread only, and the process would exit as its main thread
+        # does (with status 0, the preemption hidden from the scheduler).
+        end_process_now(code)
 
     def _clear_preemption_notice(self) -> None:
         if self._preemption is not None:

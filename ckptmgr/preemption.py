@@ -165,13 +165,13 @@ class SignalWatcher:
                 signal.Signals(signum), self._previous.get(signal.Signals(signum))
             )
             # Still installed (closed off the main thread): put the handlers back now. Else a
-            # handler installed later calls this one, as its previous: pass the signal on.
-            on_top = signal.getsignal(signum) == self._handle
+            # handler installed later calls this one, as its previous: pass the signal on, to
+            # the default action too (the later handler would otherwise swallow a SIGTERM).
             self._restore()
             if callable(previous):
                 previous(signum, frame)
-            elif on_top and (previous is None or previous == signal.SIG_DFL):
-                os.kill(os.getpid(), signum)  # the default action, now that it is back
+            elif previous is None or previous == signal.SIG_DFL:
+                _take_default_action(signal.Signals(signum))
             return
         if not self._pending:
             self.received = signal.Signals(signum)
@@ -220,6 +220,22 @@ class SignalWatcher:
                 previous = _past_closed_watchers(signum, previous)
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
                 self._previous.pop(signum, None)
+
+
+def _take_default_action(signum: signal.Signals) -> None:
+    """Act on ``signum`` as its default disposition does (for ``SIGTERM``, end the process),
+    from the main thread, whatever handler is installed now (a handler installed after this
+    watcher that passed the signal on to it, its handler before): the default disposition is
+    set, the signal raised on this thread, where it is delivered before ``raise_signal``
+    returns, and the handler put back where the process lives on (a signal whose default is to
+    be ignored)."""
+    current = signal.getsignal(signum)
+    signal.signal(signum, signal.SIG_DFL)
+    try:
+        signal.raise_signal(signum)
+    finally:
+        if current is not None and current != signal.SIG_DFL:
+            signal.signal(signum, current)
 
 
 def _past_closed_watchers(signum: signal.Signals, handler: _Handler) -> _Handler:

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from _metadata_server import FakeMetadataServer
-from conftest import run_python
+from conftest import REPO, run_python
 
 from ckptmgr import CheckpointManager, PreemptionConfig
 
@@ -165,6 +168,95 @@ def test_exit_after_save_exits_with_128_plus_the_signal_once_committed(ckpt_dir:
         restored = {"w": torch.zeros(4)}
         reader.restore(7, restored)
     assert torch.equal(restored["w"], torch.full((4,), 7.0))
+
+
+OFF_MAIN_THREAD_CHILD = """
+import signal, sys, threading
+import torch
+from ckptmgr import CheckpointManager, PreemptionConfig
+
+config = PreemptionConfig(signals=["SIGUSR1"], gce=False, aws=False, azure=False,
+                          exit_after_save=True)
+manager = CheckpointManager(sys.argv[1], save_interval=1000, preemption=config)
+
+def train():
+    try:
+        for step in range(1, 100):
+            manager.save_async(step, {"w": torch.full((4,), float(step))})
+            print(f"trained step {step}", flush=True)
+    finally:
+        print("the training thread ended", flush=True)
+
+signal.raise_signal(signal.SIGUSR1)  # a real signal to this process, noticed at step 1
+thread = threading.Thread(target=train)
+thread.start()
+thread.join()
+print("the main thread ended", flush=True)
+"""
+
+
+def test_exit_after_save_off_the_main_thread_exits_the_process_with_the_signals_status(
+    ckpt_dir: Path,
+) -> None:
+    """A training loop on a thread other than the main thread: the process exits with 128 + the
+    signal once the checkpoint is committed (SystemExit ended only the training thread, and the
+    process exited 0 when its main thread did: the preemption hidden from the scheduler)."""
+    result = run_python(OFF_MAIN_THREAD_CHILD, str(ckpt_dir), timeout=120)
+    assert result.returncode == 128 + signal.SIGUSR1, result.stdout + result.stderr
+    assert "trained step" not in result.stdout and "the main thread ended" not in result.stdout
+    assert "exiting with status 138 after the preemption checkpoint" in result.stderr
+    with CheckpointManager(ckpt_dir, save_interval=1, chkpt_on_preemption=False) as reader:
+        assert reader.all_steps() == [1]
+
+
+TWO_RANKS_CHILD = """
+import os, signal, sys
+import torch, torch.distributed as dist
+from ckptmgr import CheckpointManager, PreemptionConfig
+
+root, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+config = PreemptionConfig(signals=["SIGTERM", "SIGUSR1"], gce=False, aws=False, azure=False,
+                          exit_after_save=True)
+with CheckpointManager(root + "/ckpt", save_interval=1000, preemption=config) as manager:
+    for step in range(1, 100):
+        if step == 5 and rank == 1:
+            signal.raise_signal(signal.SIGUSR1)  # only rank 1 is told
+        manager.save_async(step, {"w": torch.full((4,), float(step + rank))})
+        print(f"trained step {step}", flush=True)
+print("the manager did not exit", flush=True)
+sys.exit(3)
+"""
+
+
+def test_exit_after_save_exits_every_rank_with_the_status_of_the_rank_that_got_the_signal(
+    tmp_path: Path,
+) -> None:
+    """Only rank 1 gets SIGUSR1: both ranks exit 138 (rank 0 exited 143, so that a scheduler
+    reading the highest status, as srun does, missed SLURM's requeue signal)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_RANKS_CHILD, str(tmp_path), str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = []
+    try:
+        for process in ranks:
+            outputs.append(process.communicate(timeout=120))
+    finally:
+        for process in ranks:
+            process.kill()
+    for rank, (process, (stdout, stderr)) in enumerate(zip(ranks, outputs, strict=True)):
+        assert process.returncode == 128 + signal.SIGUSR1, f"rank {rank}: {stdout}{stderr}"
+        assert "trained step 4" in stdout and "trained step 5" not in stdout, f"rank {rank}"
+    with CheckpointManager(tmp_path / "ckpt", save_interval=1, chkpt_on_preemption=False) as reader:
+        assert reader.all_steps() == [5]
 
 
 AGREE_EVERY_CHILD = """

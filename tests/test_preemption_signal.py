@@ -202,7 +202,7 @@ signal.raise_signal(signal.SIGTERM)  # the first signal puts the handler before 
 print("closed off the main thread: before ran", seen, signal.getsignal(signal.SIGTERM) is before)
 
 def chaining(signum, frame):  # a library's handler, installed after ours, that calls ours
-    seen.append("library")
+    print("library handler ran", flush=True)
     if callable(previous):
         previous(signum, frame)
 
@@ -210,10 +210,8 @@ signal.signal(signal.SIGTERM, signal.SIG_DFL)
 third = CheckpointManager(tempfile.mkdtemp(), 10, preemption=config)
 previous = signal.signal(signal.SIGTERM, chaining)
 third.close()
-seen.clear()
-signal.raise_signal(signal.SIGTERM)
-print("library handler ran", seen, flush=True)
-signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.raise_signal(signal.SIGTERM)  # passed on to the default action: the process ends
+print("survived a SIGTERM", flush=True)
 """
 
 
@@ -222,16 +220,18 @@ def test_a_closed_managers_handler_under_a_later_one_passes_signals_on(tmp_path:
     while it was open, or a library that calls the handler before it) cannot take its handler
     out: it passes signals on to the handler before it. It forgot that one and re-sent the
     signal to the process, which called it again: RecursionError for one SIGTERM. Once the
-    later one closes too, the handler before both is back (the closed one was left installed)."""
+    later one closes too, the handler before both is back (the closed one was left installed).
+    Where the one before it is the default, the signal's default action is taken: a SIGTERM
+    that the library passed on was dropped, and the process lived on."""
     from conftest import run_python
 
     result = run_python(CLOSE_ORDER_CHILD, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == -signal.SIGTERM, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "after a SIGTERM: second notified True before ran ['before']", lines
     assert lines[1] == "both closed: the handler before is back True", lines
     assert lines[2] == "closed off the main thread: before ran ['before'] True", lines
-    assert lines[3] == "library handler ran ['library']", lines
+    assert lines[3:] == ["library handler ran"], lines
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")

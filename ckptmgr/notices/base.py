@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 from ckptmgr.notices._http import TRANSPORT_ERRORS, Requester
 
+#: The exit status of a notice that is no signal: 128 + ``SIGTERM``, what the platform sends next.
+DEFAULT_EXIT_CODE = 128 + int(signal.SIGTERM)
+
 log = logging.getLogger("ckptmgr.preemption")
 
 #: Timeout of each request that decides whether an ``"auto"`` source is present.
@@ -34,7 +37,7 @@ class PreemptionNotice:
     def exit_code(self) -> int:
         """The conventional exit status: 128 + the signal (SIGTERM for notices that are not
         signals, since that is what the platform sends next)."""
-        return 128 + (self.signum if self.signum is not None else int(signal.SIGTERM))
+        return 128 + self.signum if self.signum is not None else DEFAULT_EXIT_CODE
 
     def __str__(self) -> str:
         return f"{self.source} ({self.detail})" if self.detail else self.source
