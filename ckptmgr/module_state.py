@@ -33,6 +33,7 @@ by a step (:meth:`OptimizerState.restore_template`).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -45,6 +46,10 @@ from ckptmgr.errors import CheckpointError
 from ckptmgr.optimizer import create_state
 from ckptmgr.stateful import PerRank
 from ckptmgr.tensor_table import TensorEntry
+
+log = logging.getLogger(__name__)
+
+_NOT_SETTINGS = frozenset({"params", "param_names"})  # what a parameter group holds but settings
 
 
 class SavedEntries(Protocol):
@@ -141,6 +146,7 @@ class OptimizerState:
         groups cannot be matched with this optimizer's (another number of groups; for a
         checkpoint keyed by position, other group sizes)."""
         self._check_groups(saved)
+        self._warn_of_another_kind(saved)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if _keyed_by_position(saved):  # written from optimizer.state_dict() (older ckptmgr)
             keys: list[Any] = list(range(len(params)))
@@ -189,6 +195,31 @@ class OptimizerState:
             "groups cannot be matched (the state and hyperparameters of each group would go "
             "to another); restore into an optimizer with the same parameter groups"
         )
+
+    def _warn_of_another_kind(self, saved: SavedEntries) -> None:
+        """Log a warning where a saved parameter group looks saved by another kind of optimizer:
+        each side has settings the other lacks (AdamW's ``betas`` against SGD's ``momentum``).
+        Torch's load takes the saved groups and state as they are, and the first ``step()``
+        fails far from the cause (SGD: ``KeyError: 'momentum'``). A warning, not an error:
+        settings one torch version added, and a scheduler's (``initial_lr``), differ too."""
+        saved_settings = _saved_group_settings(saved)
+        if saved_settings is None:
+            return
+        for index, (theirs, group) in enumerate(
+            zip(saved_settings, self.optimizer.param_groups, strict=False)
+        ):
+            own = set(group) - _NOT_SETTINGS
+            if theirs - own and own - theirs:
+                log.warning(
+                    "the checkpoint's optimizer looks like another kind than this %s: its "
+                    "parameter group %d has settings %s that this one lacks, and lacks its %s; "
+                    "the saved settings and state are loaded as they are, and a step may fail",
+                    type(self.optimizer).__name__,
+                    index,
+                    sorted(theirs - own),
+                    sorted(own - theirs),
+                )
+                return
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict keyed by parameter name (or, from older checkpoints, by position).
@@ -297,6 +328,22 @@ def _saved_group_sizes(saved: SavedEntries) -> list[int] | None:
     if not params or not all(isinstance(p, list) for p in params):
         return None
     return [len(p) for p in params]
+
+
+def _saved_group_settings(saved: SavedEntries) -> list[set[str]] | None:
+    """The names of each saved parameter group's settings; None when not known."""
+    groups = saved.plain("param_groups")
+    if isinstance(groups, list):
+        if not all(isinstance(group, dict) for group in groups):
+            return None
+        return [{str(key) for key in group} - _NOT_SETTINGS for group in groups]
+    settings: list[set[str]] = []  # stored item by item (a tensor learning rate)
+    while saved.has("param_groups", len(settings)):
+        names = saved.children("param_groups", len(settings))
+        if names is None:
+            return None
+        settings.append(set(names) - _NOT_SETTINGS)
+    return settings or None
 
 
 def _keyed_by_position(saved: SavedEntries) -> bool:

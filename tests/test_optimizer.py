@@ -263,6 +263,36 @@ def test_an_optimizer_with_other_parameter_groups_is_refused_before_anything_cha
     assert not target_optimizer.state
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_a_checkpoint_of_another_kind_of_optimizer_is_named_in_a_warning(
+    ckpt_dir: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Adam's checkpoint restored into an SGD: torch's load takes Adam's settings and state as
+    they are (as ``SGD.load_state_dict`` does), and the first step raised ``KeyError:
+    'momentum'`` with no word of the cause; a warning names both sides' settings. An AdamW
+    (Adam's settings, and one more) gets none."""
+    saved_model = two_layers()
+    saved_optimizer = trained_one_step(saved_model)
+    target_model = two_layers()
+    if kind == "sgd":
+        target: torch.optim.Optimizer = torch.optim.SGD(
+            target_model.parameters(), lr=0.1, momentum=0.9
+        )
+    else:
+        target = torch.optim.AdamW(target_model.parameters(), lr=0.01)
+    with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"model": saved_model, "optim": saved_optimizer})
+        with caplog.at_level("WARNING", logger="ckptmgr"):
+            mgr.restore(1, {"model": target_model, "optim": target})
+    warnings = [r.getMessage() for r in caplog.records if "another kind" in r.getMessage()]
+    if kind == "adamw":
+        assert warnings == []
+        return
+    assert len(warnings) == 1, warnings
+    assert "than this SGD" in warnings[0]
+    assert "'betas'" in warnings[0] and "'momentum'" in warnings[0], warnings[0]
+
+
 def test_saved_state_of_a_parameter_the_live_optimizer_has_none_for_is_restored(
     ckpt_dir: Path,
 ) -> None:
