@@ -179,6 +179,21 @@ if _AsyncCheckpointProcess is not None:
             _end_daemon_without_finalizing()
 
 
+def _main_script_spawn_cannot_read() -> str | None:
+    """The path multiprocessing's spawn would run the main module from where no file is there
+    (``python - < script.py``: ``<stdin>``), else None; as ``spawn.get_preparation_data``
+    finds it (a module run with ``-m`` is imported by name, ``-c`` and notebooks have no path)."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return None
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str):
+        return None
+    if not os.path.isabs(path) and multiprocessing.process.ORIGINAL_DIR is not None:
+        path = os.path.join(multiprocessing.process.ORIGINAL_DIR, path)
+    return None if os.path.exists(path) else os.path.normpath(path)
+
+
 def _ended_at_start(process: multiprocessing.process.BaseProcess) -> CheckpointError:
     """The error for a daemon that closed its pipe before it was ready: its exit awaited (on
     its sentinel, without reaping it) for its exit code."""
@@ -506,6 +521,14 @@ class SaveProcess:
             raise CheckpointError(
                 f"async_mode='process' needs DCP's process-based async checkpointing, which "
                 f"torch {torch.__version__} does not have; use async_mode='thread'"
+            )
+        unreadable_main = _main_script_spawn_cannot_read()
+        if unreadable_main is not None:
+            raise CheckpointError(
+                f"async_mode='process' cannot start its checkpoint daemon: multiprocessing's "
+                f"spawn runs the main script again in it, from {unreadable_main!r}, which is no "
+                f"file (a script read from standard input); run the script from a file, or use "
+                f"async_mode='thread'"
             )
         self._comm = comm  # (its group is read when used: it is destroyed at interpreter exit)
         self._timeout_s = timeout_s

@@ -44,6 +44,7 @@ from _cloud_state import differences as cloud_differences
 from _cloud_state import make_state as make_cloud_state
 from _daemon_faults import HeldRead
 from _process_mode_worker import KILL_STEPS, STEPS
+from conftest import REPO
 from fsspec.implementations.memory import MemoryFileSystem
 from test_distributed import torchrun
 from torch import nn
@@ -934,6 +935,33 @@ def test_a_script_without_a_main_guard_fails_its_save_saying_so(tmp_path: Path) 
     assert "a CheckpointManager is being made while this process is started" in err, err
     assert "LeaseHeld" not in err, err
     assert "listed []" in out, out
+
+
+def test_a_script_read_from_standard_input_is_refused_when_the_manager_is_made(
+    tmp_path: Path,
+) -> None:
+    """``python - < train.py``: spawn runs the main script again in the daemon, from
+    ``<stdin>``, which is no file. The manager is refused at once saying so; the first save
+    failed instead, advising a ``__main__`` guard, which could not help."""
+    script = "if __name__ == '__main__':\n" + "\n".join(
+        "    " + line for line in UNGUARDED_SCRIPT.strip().splitlines()
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    child = subprocess.run(
+        [sys.executable, "-", str(tmp_path / "ckpts")],
+        input=script,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert child.returncode == 1, child.stdout + child.stderr
+    assert "CheckpointError: async_mode='process' cannot start its checkpoint daemon" in (
+        child.stderr
+    )
+    assert f"from '{tmp_path / '<stdin>'}', which is no file" in child.stderr, child.stderr
+    assert not (tmp_path / "ckpts").exists()
 
 
 FORK_WHILE_THE_TRACKER_IS_HELD = r"""
