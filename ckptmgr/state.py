@@ -773,8 +773,15 @@ class _RestorePlanner:
                 for rank, stored_path in copies
                 if stored_path == path or stored_path.startswith(path + "/")
             )
+            if not ranks and self.objects_rank == self.rank:
+                # No rank holds a tensor of it, and this rank's own plain values lack it: a key
+                # the checkpoint never had, not a copy missing for this rank
+                return CheckpointError(
+                    f"key {path!r} of the state to restore (per-rank state) is missing from "
+                    "the checkpoint: no rank saved it"
+                )
             held = f"copies for ranks {sorted(set(ranks))}" if ranks else "no tensor copies"
-            if not ranks and self.objects_rank != self.rank:
+            if not ranks:
                 held = (
                     f"plain values of ranks {self.object_ranks}"
                     if self.object_ranks

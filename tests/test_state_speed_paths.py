@@ -284,6 +284,13 @@ def test_per_rank_inside_a_plain_dict_is_stored_under_rank_private_names() -> No
     plain_only = {"a": {"local": PerRank({"n": 0})}}
     with pytest.raises(CheckpointError, match=r"plain values of rank 0 only"):
         restore(plain_only, flatten({"a": {"local": PerRank({"n": 4})}}), rank=1, objects_rank=0)
+    # A key no rank saved is missing, not a copy of fewer ranks (it was blamed on those)
+    with pytest.raises(
+        CheckpointError,
+        match=r"key 'nope' of the state to restore \(per-rank state\) is missing from the "
+        r"checkpoint: no rank saved it",
+    ):
+        restore({"nope": PerRank(torch.zeros(2))}, flat, rank=3, objects_rank=3)
 
 
 def test_rank_private_names_split_back_into_rank_and_path() -> None:
