@@ -35,6 +35,15 @@ class Collectives:
             self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
             return
         self._agreement_flags = torch.zeros(3, dtype=torch.int32)
+        if process_group is not None and (
+            process_group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(process_group) < 0
+        ):
+            # Its rank and size would be -1, and its groups None: the default group's, where
+            # its collectives would meet the training loop's (or wait for them).
+            raise ValueError(
+                f"this rank ({dist.get_rank()} of the default group) is not in process_group: "
+                "make the manager only on the ranks of its process_group"
+            )
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)

@@ -325,6 +325,17 @@ def scenario_save2(rank: int, out_dir: str, ckpt2: str, ckpt_sub: str) -> dict[s
             "tp": first_difference(full(target["tp"]), tp_values(1), "tp"),
             "local": first_difference(target["local"].value, local_values(1, rank), "local"),
         }
+
+    # A group of rank 0 alone: rank 1, not in it, is refused at once (its manager ran its
+    # collectives on the default group, where they met the training loop's next one).
+    solo = dist.new_group(ranks=[0], backend="gloo")
+    solo_root = str(Path(ckpt_sub).parent / "solo")
+    if rank == 0:
+        with _manager(solo_root, process_group=solo) as manager:
+            record["solo_save"] = _call(lambda: manager.save(1, {"w": torch.ones(3)}))
+    else:
+        record["solo_save"] = _call(lambda: _manager(solo_root, process_group=solo))[1]
+    record["gathered_after_solo"] = _gather(f"training data of rank {rank}")
     return record
 
 

@@ -157,6 +157,22 @@ def test_manager_on_a_subgroup(save2: dict[int, dict[str, Any]], dirs: dict[str,
     assert sorted(p.name for p in dirs["sub"].iterdir()) == ["step_000000000001"]
 
 
+def test_a_rank_outside_the_managers_group_is_refused(save2: dict[int, dict[str, Any]]) -> None:
+    """A manager over a group of rank 0 alone saves on rank 0; on rank 1, which is not in the
+    group, making one raises ValueError at once, and the next collective of the training job
+    gets each rank's own value (rank 1's manager ran its collectives on the default group: the
+    training job's all_gather got the manager's message as rank 1's value, or waited for it)."""
+    assert save2[0]["solo_save"] == [True, None]
+    refused = save2[1]["solo_save"]
+    assert refused is not None and refused["type"] == "ValueError", refused
+    assert "is not in process_group" in refused["message"], refused
+    for rank, record in save2.items():
+        assert record["gathered_after_solo"] == [
+            "training data of rank 0",
+            "training data of rank 1",
+        ], rank
+
+
 # -- 2. 2 -> 1 ------------------------------------------------------------------------------------
 def test_two_rank_checkpoint_restores_in_one_plain_process(one: dict[str, Any]) -> None:
     assert one["distributed_at_start"] is False
