@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any, Literal
@@ -156,6 +157,7 @@ class SignalWatcher:
         for name in signal_names:
             signum = signal.Signals[name]
             self._previous[signum] = signal.signal(signum, self._handle)
+        _OPEN_WATCHERS.add(self)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Closed, or in a forked child (whose manager is unusable: a notice there would only
@@ -170,7 +172,9 @@ class SignalWatcher:
             self._restore()
             if callable(previous):
                 previous(signum, frame)
-            elif previous is None or previous == signal.SIG_DFL:
+            elif (previous is None or previous == signal.SIG_DFL) and not _watched_by_an_open(
+                signal.Signals(signum)
+            ):
                 _take_default_action(signal.Signals(signum))
             return
         if not self._pending:
@@ -208,6 +212,7 @@ class SignalWatcher:
         cannot set handlers, the first of these signals to arrive puts them back and is handled
         as the handler before would have."""
         self._closed = True
+        _OPEN_WATCHERS.discard(self)
         if threading.current_thread() is threading.main_thread():
             self._restore()
 
@@ -220,6 +225,20 @@ class SignalWatcher:
                 previous = _past_closed_watchers(signum, previous)
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
                 self._previous.pop(signum, None)
+
+
+_OPEN_WATCHERS: weakref.WeakSet[SignalWatcher] = weakref.WeakSet()
+"""The watchers of this process (a forked child's parent's do not count) not yet closed."""
+
+
+def _watched_by_an_open(signum: signal.Signals) -> bool:
+    """True while an open watcher of this process handles ``signum``: it wants the signal as a
+    notice, so a closed one that it (or a handler between them) passes the signal on to must not
+    take the default action (a SIGTERM would end the process before its checkpoint)."""
+    return any(
+        not watcher._closed and watcher._pid == os.getpid() and signum in watcher._previous
+        for watcher in list(_OPEN_WATCHERS)
+    )
 
 
 def _take_default_action(signum: signal.Signals) -> None:

@@ -201,6 +201,14 @@ seen.clear()
 signal.raise_signal(signal.SIGTERM)  # the first signal puts the handler before back, and reaches it
 print("closed off the main thread: before ran", seen, signal.getsignal(signal.SIGTERM) is before)
 
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+first = CheckpointManager(tempfile.mkdtemp(), 10, preemption=config)
+second = CheckpointManager(tempfile.mkdtemp(), 10, preemption=config)
+first.close()  # the second, open, passes the signal on to the first: no default action
+signal.raise_signal(signal.SIGTERM)
+print("default below, the first closed: second notified", second._preemption.notified, flush=True)
+second.close()
+
 def chaining(signum, frame):  # a library's handler, installed after ours, that calls ours
     print("library handler ran", flush=True)
     if callable(previous):
@@ -222,7 +230,8 @@ def test_a_closed_managers_handler_under_a_later_one_passes_signals_on(tmp_path:
     signal to the process, which called it again: RecursionError for one SIGTERM. Once the
     later one closes too, the handler before both is back (the closed one was left installed).
     Where the one before it is the default, the signal's default action is taken: a SIGTERM
-    that the library passed on was dropped, and the process lived on."""
+    that the library passed on was dropped, and the process lived on; but not while an open
+    manager handles the signal (it passed it on to the closed one: the process died)."""
     from conftest import run_python
 
     result = run_python(CLOSE_ORDER_CHILD, timeout=120)
@@ -231,7 +240,8 @@ def test_a_closed_managers_handler_under_a_later_one_passes_signals_on(tmp_path:
     assert lines[0] == "after a SIGTERM: second notified True before ran ['before']", lines
     assert lines[1] == "both closed: the handler before is back True", lines
     assert lines[2] == "closed off the main thread: before ran ['before'] True", lines
-    assert lines[3:] == ["library handler ran"], lines
+    assert lines[3] == "default below, the first closed: second notified True", lines
+    assert lines[4:] == ["library handler ran"], lines
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
