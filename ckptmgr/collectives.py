@@ -59,7 +59,11 @@ class Collectives:
             raise
         self._groups = (background_group, control_group)
         self._released = False
-        _GROUPS_TO_RELEASE_AT_EXIT[self] = os.getpid()
+        self._made_in = os.getpid()
+        _MANAGERS_COLLECTIVES.add(self)
+        _GROUPS_TO_DESTROY_AT_EXIT[:] = [
+            entry for entry in _GROUPS_TO_DESTROY_AT_EXIT if entry[1]() is not None
+        ] + [(self._made_in, weakref.ref(group)) for group in self._groups]
 
     @property
     def background_group(self) -> dist.ProcessGroup | None:
@@ -82,21 +86,10 @@ class Collectives:
             )
         return None
 
-    def release_groups(self) -> None:
-        """Destroy the manager's two gloo groups and drop them (at interpreter exit).
-
-        Their gloo threads stop with them. Groups left alive into the interpreter's
-        finalization abort the process now and then ("terminate called without an active
-        exception"): a gloo thread that frees a finished collective's tensors then needs the
-        GIL. ``destroy_process_group()`` of the whole job does not stop them while the manager
-        still holds them. Not done at :meth:`~ckptmgr.CheckpointManager.close`: torch 2.13
-        names later groups after the count of live ones, so destroying two would give the
-        next groups made the names of live ones (see docs/distributed.md).
-        """
-        groups, self._groups, self._released = self._groups, None, True
-        for group in groups or ():
-            with contextlib.suppress(Exception):  # destroyed already (destroy_process_group())
-                dist.destroy_process_group(group)
+    def drop_groups(self) -> None:
+        """Drop the manager's two gloo groups (at interpreter exit, where they are destroyed):
+        a later collective raises ``CheckpointError``."""
+        self._groups, self._released = None, True
 
     def _new_group(self, ranks: list[int], timeout: _dt.timedelta) -> dist.ProcessGroup:
         """A gloo group of ``ranks``; a rendezvous that failed (another rank did not make its
@@ -173,17 +166,34 @@ class Collectives:
             ) from exc
 
 
-# Each distributed Collectives, with the process that made it (a forked child exiting
-# normally leaves its parent's groups alone).
-_GROUPS_TO_RELEASE_AT_EXIT: weakref.WeakKeyDictionary[Collectives, int] = (
-    weakref.WeakKeyDictionary()
-)
+# Every distributed Collectives alive, and every group a manager made, with the process that
+# made it (a forked child exiting normally leaves its parent's groups alone). Weakly: a group
+# torch no longer holds (destroy_process_group()) and no manager holds is gone already.
+_MANAGERS_COLLECTIVES: weakref.WeakSet[Collectives] = weakref.WeakSet()
+_GROUPS_TO_DESTROY_AT_EXIT: list[tuple[int, weakref.ref[dist.ProcessGroup]]] = []
 
 
 @atexit.register
-def _release_groups_at_exit() -> None:
-    """Release every manager's groups once the interpreter's threads have been joined (a
-    manager's background saves run on a thread that interpreter exit waits for)."""
-    for comm, pid in list(_GROUPS_TO_RELEASE_AT_EXIT.items()):
-        if pid == os.getpid():
-            comm.release_groups()
+def _destroy_groups_at_exit() -> None:
+    """Destroy the groups of every manager, open, closed or garbage collected, once the
+    interpreter's threads have been joined (a manager's background saves run on a thread that
+    interpreter exit waits for); their gloo threads stop with them.
+
+    Groups left alive into the interpreter's finalization abort the process now and then
+    ("terminate called without an active exception"): a gloo thread that frees a finished
+    collective's tensors then needs the GIL. ``destroy_process_group()`` of the whole job does
+    not stop them while a manager still holds them. Not done at
+    :meth:`~ckptmgr.CheckpointManager.close`: torch 2.13 names later groups after the count of
+    live ones, so destroying two would give the next groups made the names of live ones (see
+    docs/distributed.md).
+    """
+    for comm in list(_MANAGERS_COLLECTIVES):
+        if comm._made_in == os.getpid():
+            comm.drop_groups()
+    groups, _GROUPS_TO_DESTROY_AT_EXIT[:] = list(_GROUPS_TO_DESTROY_AT_EXIT), []
+    for pid, group_ref in groups:
+        group = group_ref()
+        if group is not None and pid == os.getpid():
+            with contextlib.suppress(Exception):  # destroyed already (destroy_process_group())
+                dist.destroy_process_group(group)
+        del group

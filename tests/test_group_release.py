@@ -16,7 +16,7 @@ import pytest
 from conftest import run_python
 
 CHILD = r"""
-import atexit, json, os, sys
+import atexit, gc, json, os, sys
 
 def threads():
     return len(os.listdir("/proc/self/task"))
@@ -27,7 +27,7 @@ seen = {}
 @atexit.register
 def after_ckptmgrs_hook():
     seen["at_exit"] = threads()
-    if mode != "closed":
+    if mode in ("open", "process"):
         try:
             manager.save(2, state, force=True)
             seen["late_save"] = None
@@ -45,31 +45,40 @@ seen["per_group"] = threads() - before
 
 from ckptmgr import CheckpointManager
 
-async_mode = "process" if mode == "process" else "thread"
-manager = CheckpointManager(f"{root}/ckpt", 1, async_mode=async_mode)
+def made_and_saved():
+    async_mode = "process" if mode == "process" else "thread"
+    made = CheckpointManager(f"{root}/ckpt", 1, async_mode=async_mode)
+    assert made.save_async(1, state)
+    made.join()
+    seen["made"] = threads()
+    return made
+
 state = {"w": torch.arange(10.0)}
-assert manager.save_async(1, state)
-manager.join()
-seen["made"] = threads()
+if mode == "dropped":  # made in a function that returns (a main()): collected before exit
+    made_and_saved().close()
+    gc.collect()
+else:
+    manager = made_and_saved()
 if mode == "closed":
     manager.close()
     dist.destroy_process_group()  # as a job ends: ckptmgr's groups are destroyed with it
 """
 
 
-@pytest.mark.parametrize("mode", ["closed", "open", "process"])
+@pytest.mark.parametrize("mode", ["closed", "open", "process", "dropped"])
 def test_the_managers_groups_and_their_threads_end_at_interpreter_exit(
     tmp_path: Path, mode: str
 ) -> None:
-    """Closed (and the job's groups destroyed), or left open, in thread and process mode: at
-    exit the manager's two groups' threads are gone, and a save from a later exit hook fails
-    saying why (with the group gone, its collectives would have run on the job's own group)."""
+    """Closed (and the job's groups destroyed), left open, in thread and process mode, or
+    closed and garbage collected before exit (its groups were left alive): at exit the
+    manager's two groups' threads are gone, and a save from a later exit hook fails saying why
+    (with the group gone, its collectives would have run on the job's own group)."""
     child = run_python(CHILD, str(tmp_path), mode)
     assert child.returncode == 0, child.stderr[-3000:]
     assert "terminate called" not in child.stderr
     seen = json.loads(child.stdout.strip().splitlines()[-1])
     assert seen["per_group"] >= 1, seen
     assert seen["at_exit"] <= seen["made"] - 2 * seen["per_group"], seen
-    if mode != "closed":
+    if mode in ("open", "process"):
         assert seen["late_save"] is not None, seen
         assert seen["late_save"].startswith("CheckpointError: the manager's process groups were")
