@@ -55,6 +55,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from ckptmgr.bootstrap_guard import ENTRY_POINT_HINT
 from ckptmgr.errors import CheckpointError
 from ckptmgr.niceness import background_niceness, set_background_niceness
+from ckptmgr.process_exit import end_process_now
 from ckptmgr.staging import shared_arenas
 
 if TYPE_CHECKING:
@@ -140,14 +141,22 @@ if _AsyncCheckpointProcess is not None:
         def __init__(self, pg_init_info: Any) -> None:
             try:
                 super().__init__(pg_init_info)
-            except RuntimeError as exc:  # DCP's "Checkpoint background process is dead"
+            except BaseException as exc:
                 process = getattr(self, "_save_process", None)
                 if process is None:
                     raise
-                pipe_closed = isinstance(exc.__context__, EOFError)
-                if not (pipe_closed or process.exitcode is not None):  # (DCP's timeout)
+                if not isinstance(exc, RuntimeError):  # (an interrupt: Ctrl-C)
+                    _kill_unready(process)
                     raise
-                raise _ended_at_start(process) from exc
+                # DCP's "Checkpoint background process is dead", or its timeout
+                pipe_closed = isinstance(exc.__context__, EOFError)
+                if pipe_closed or process.exitcode is not None:
+                    raise _ended_at_start(process) from exc
+                _kill_unready(process)  # nothing holds it: it would outlive close() and exit
+                raise CheckpointError(
+                    f"the checkpoint daemon process (pid {process.pid}) did not become ready: "
+                    f"{exc}; it was killed"
+                ) from exc
 
         @staticmethod
         def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
@@ -194,6 +203,14 @@ def _main_script_spawn_cannot_read() -> str | None:
     return None if os.path.exists(path) else os.path.normpath(path)
 
 
+def _kill_unready(process: multiprocessing.process.BaseProcess) -> None:
+    """Kill a daemon that failed to become ready (it ignores ``SIGTERM``), and reap it: left
+    running, multiprocessing's exit would wait for it forever."""
+    if process.is_alive():
+        process.kill()
+    process.join(_EXIT_WAIT_S)
+
+
 def _ended_at_start(process: multiprocessing.process.BaseProcess) -> CheckpointError:
     """The error for a daemon that closed its pipe before it was ready: its exit awaited (on
     its sentinel, without reaping it) for its exit code."""
@@ -214,13 +231,7 @@ def _end_daemon_without_finalizing() -> NoReturn:
     save was answered (after its files were synced) before the loop read the request to stop,
     and the kernel releases what the daemon holds (shared memory mappings, descriptors,
     sockets)."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):  # closed or replaced streams
-            pass
-    os._exit(0)
+    end_process_now(0)
 
 
 class _CallResult:
@@ -274,7 +285,10 @@ class _CallServingConnection:
     def recv(self) -> Any:
         """The next request that is not a :class:`_DaemonCall`."""
         while True:
-            request = self._connection.recv()
+            try:
+                request = self._connection.recv()
+            except EOFError:  # the training process is gone (killed): nothing is left to serve
+                _end_daemon_without_finalizing()
             if not isinstance(request, _DaemonCall):
                 return request
             self._connection.send(request.run())
@@ -522,6 +536,12 @@ class SaveProcess:
                 f"async_mode='process' needs DCP's process-based async checkpointing, which "
                 f"torch {torch.__version__} does not have; use async_mode='thread'"
             )
+        if multiprocessing.process.current_process().daemon:
+            raise CheckpointError(
+                "async_mode='process' cannot start its checkpoint daemon in a daemonic process "
+                "(multiprocessing does not let one have children: a Process made with "
+                "daemon=True, or a Pool's worker); use async_mode='thread'"
+            )
         unreadable_main = _main_script_spawn_cannot_read()
         if unreadable_main is not None:
             raise CheckpointError(
@@ -592,7 +612,10 @@ class SaveProcess:
                 # (An OSError the daemon answered, a write that failed there, is no broken
                 # pipe: it was taken for one, waited on for _EXIT_WAIT_S and reported as the
                 # daemon's death.)
-                broken = not answered and isinstance(exc, (OSError, EOFError))
+                broken = not answered and (
+                    isinstance(exc, (OSError, EOFError))
+                    or isinstance(exc.__context__, EOFError)  # DCP's "process is dead"
+                )
                 if broken:
                     multiprocessing.connection.wait([process.sentinel], timeout=_EXIT_WAIT_S)
                 if broken or not process.is_alive():

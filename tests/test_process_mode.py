@@ -13,6 +13,7 @@ manager have no timeout of their own while the daemon is alive).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -904,6 +905,138 @@ def test_a_program_that_ends_without_close_exits_and_stops_its_daemon(
     assert daemons and not alive, f"daemons {daemons}, still alive at exit: {alive}"
     with CheckpointManager(root, 1, chkpt_on_preemption=False, read_only=True) as reader:
         assert reader.all_steps() == ([1, 2] if mode == "pending" else [1])
+
+
+UNREADY_DAEMON_SCRIPT = r"""
+import multiprocessing, sys, torch
+from torch.distributed.checkpoint import _async_process_executor
+from ckptmgr import CheckpointManager
+
+waited_for_ready = _async_process_executor._AsyncCheckpointProcess._wait_for_response
+first_start = [True]
+
+def ready_within_a_blink(self, timeout=None):  # DCP waits 1800 s for a daemon to be ready
+    if timeout == 1800 and first_start[0]:
+        first_start[0] = False
+        timeout = 0.01
+    return waited_for_ready(self, timeout=timeout)
+
+_async_process_executor._AsyncCheckpointProcess._wait_for_response = ready_within_a_blink
+
+if __name__ == "__main__":
+    mgr = CheckpointManager(sys.argv[1], 1, async_mode="process", chkpt_on_preemption=False)
+    mgr.save_async(1, {"w": torch.ones(4)})
+    try:
+        mgr.join()
+    except Exception as exc:
+        print("join raised", type(exc).__name__, exc, flush=True)
+    print("children after the failed start", multiprocessing.active_children(), flush=True)
+    mgr.save_async(2, {"w": torch.full((4,), 2.0)})
+    mgr.join()
+    mgr.close()
+    print("listed", mgr.all_steps(), flush=True)
+"""
+
+
+def test_a_daemon_that_is_not_ready_in_time_is_killed_and_the_program_exits(
+    tmp_path: Path,
+) -> None:
+    """A daemon that did not answer within DCP's start-up wait (1800 s; here shortened) was left
+    running, held by nothing: close() left it, and the program never exited (multiprocessing's
+    exit waits for its daemonic children, and the daemon ignores SIGTERM). It is killed, the save
+    fails saying so (it raised DCP's bare RuntimeError), and the next save starts another."""
+    returncode, out, err = run_script(tmp_path, UNREADY_DAEMON_SCRIPT, str(tmp_path / "ckpts"))
+    assert returncode == 0, out + err
+    assert "join raised CheckpointError" in out and "did not become ready" in out, out + err
+    assert "children after the failed start []" in out, out
+    assert "listed [2]" in out, out
+
+
+DAEMONIC_CHILD_SCRIPT = r"""
+import multiprocessing, sys
+
+def make_manager(root, answers):
+    from ckptmgr import CheckpointManager
+    try:
+        CheckpointManager(root, 1, async_mode="process", chkpt_on_preemption=False)
+        answers.put("made")
+    except Exception as exc:
+        answers.put(f"{type(exc).__name__}: {exc}")
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("fork")
+    answers = context.Queue()
+    child = context.Process(target=make_manager, args=(sys.argv[1], answers), daemon=True)
+    child.start()
+    print("child:", answers.get(timeout=60), flush=True)
+    child.join(60)
+"""
+
+
+def test_a_daemonic_process_is_refused_when_the_manager_is_made(tmp_path: Path) -> None:
+    """A daemonic multiprocessing child (a Pool's worker) may not start processes: the manager
+    is refused at once (every save failed with multiprocessing's bare AssertionError)."""
+    returncode, out, err = run_script(tmp_path, DAEMONIC_CHILD_SCRIPT, str(tmp_path / "ckpts"))
+    assert returncode == 0, out + err
+    refusal = "CheckpointError: async_mode='process' cannot start its checkpoint daemon in a "
+    assert f"child: {refusal}daemonic process" in out, out + err
+
+
+KILLED_WHILE_IDLE_SCRIPT = r"""
+import sys, torch
+from ckptmgr import CheckpointManager
+
+if __name__ == "__main__":
+    mgr = CheckpointManager(sys.argv[1], 1, async_mode="process", chkpt_on_preemption=False)
+    mgr.save_async(1, {"w": torch.ones(4)})
+    mgr.join()
+    print("daemon", mgr._save_process.pid, flush=True)
+    sys.stdin.readline()  # until killed (or the test's end closes stdin)
+"""
+
+
+def _running(pid: int) -> bool:
+    """True while process ``pid`` exists and is no zombie (reparented, it may wait for a reaper
+    that a container's init is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_the_daemon_of_a_killed_training_process_ends_quietly(tmp_path: Path) -> None:
+    """``kill -9`` of an idle training process: its daemon ends (its pipe closed), without the
+    traceback of an EOFError on the standard error it shares with the training process."""
+    stderr_path = tmp_path / "stderr"
+    script = tmp_path / "killed_while_idle.py"
+    script.write_text(KILLED_WHILE_IDLE_SCRIPT)
+    with stderr_path.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "ckpts")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            start_new_session=True,
+        )
+    daemon_pid = None
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()  # bounded: the script exits when its stdin closes
+        assert line.startswith("daemon "), line + stderr_path.read_text()
+        daemon_pid = int(line.split()[1])
+        process.kill()
+        process.wait(60)
+        deadline = time.monotonic() + DEATH_TIMEOUT_S
+        while _running(daemon_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(daemon_pid), "the daemon outlived its process"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=60)
+    assert "Traceback" not in stderr_path.read_text(), stderr_path.read_text()
 
 
 UNGUARDED_SCRIPT = r"""
