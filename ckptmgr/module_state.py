@@ -198,26 +198,31 @@ class OptimizerState:
 
     def _warn_of_another_kind(self, saved: SavedEntries) -> None:
         """Log a warning where a saved parameter group looks saved by another kind of optimizer:
-        each side has settings the other lacks (AdamW's ``betas`` against SGD's ``momentum``).
-        Torch's load takes the saved groups and state as they are, and the first ``step()``
-        fails far from the cause (SGD: ``KeyError: 'momentum'``). A warning, not an error:
-        settings one torch version added, and a scheduler's (``initial_lr``), differ too."""
+        it lacks settings this optimizer is made with (its ``defaults``: SGD's ``momentum``) and
+        has some this one's group lacks (AdamW's ``betas``). Torch's load takes the saved groups
+        and state as they are, and the first ``step()`` fails far from the cause (SGD:
+        ``KeyError: 'momentum'``). Settings a scheduler adds to a group (OneCycleLR's
+        ``max_lr``, SWALR's ``swa_lr``) are no optimizer's own, so only the saved group's lack of
+        the optimizer's own ones counts. A warning, not an error: a setting one torch version
+        added, with a scheduler's saved, looks the same."""
         saved_settings = _saved_group_settings(saved)
         if saved_settings is None:
             return
+        made_with = set(self.optimizer.defaults) - _NOT_SETTINGS
         for index, (theirs, group) in enumerate(
             zip(saved_settings, self.optimizer.param_groups, strict=False)
         ):
-            own = set(group) - _NOT_SETTINGS
-            if theirs - own and own - theirs:
+            lacking = made_with - theirs
+            foreign = theirs - (set(group) - _NOT_SETTINGS)
+            if lacking and foreign:
                 log.warning(
                     "the checkpoint's optimizer looks like another kind than this %s: its "
                     "parameter group %d has settings %s that this one lacks, and lacks its %s; "
                     "the saved settings and state are loaded as they are, and a step may fail",
                     type(self.optimizer).__name__,
                     index,
-                    sorted(theirs - own),
-                    sorted(own - theirs),
+                    sorted(foreign),
+                    sorted(lacking),
                 )
                 return
 

@@ -195,6 +195,8 @@ def _main_script_spawn_cannot_read() -> str | None:
     main = sys.modules.get("__main__")
     if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
         return None
+    if getattr(sys, "frozen", False):  # (PyInstaller: spawn runs the frozen program again)
+        return None
     path = getattr(main, "__file__", None)
     if not isinstance(path, str):
         return None

@@ -775,10 +775,12 @@ class _RestorePlanner:
             )
             if not ranks and self.objects_rank == self.rank:
                 # No rank holds a tensor of it, and this rank's own plain values lack it: a key
-                # the checkpoint never had, not a copy missing for this rank
+                # the checkpoint does not have, or one other ranks saved as plain values alone
+                # (theirs are not read here), not a checkpoint of fewer ranks
                 return CheckpointError(
                     f"key {path!r} of the state to restore (per-rank state) is missing from "
-                    "the checkpoint: no rank saved it"
+                    f"the checkpoint for rank {self.rank}: this rank saved no value of it, and "
+                    "no rank a tensor"
                 )
             held = f"copies for ranks {sorted(set(ranks))}" if ranks else "no tensor copies"
             if not ranks:

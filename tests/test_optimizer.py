@@ -263,14 +263,15 @@ def test_an_optimizer_with_other_parameter_groups_is_refused_before_anything_cha
     assert not target_optimizer.state
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "adam with other schedulers"])
 def test_a_checkpoint_of_another_kind_of_optimizer_is_named_in_a_warning(
     ckpt_dir: Path, kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Adam's checkpoint restored into an SGD: torch's load takes Adam's settings and state as
     they are (as ``SGD.load_state_dict`` does), and the first step raised ``KeyError:
     'momentum'`` with no word of the cause; a warning names both sides' settings. An AdamW
-    (Adam's settings, and one more) gets none."""
+    (Adam's settings, and one more) gets none, nor an Adam saved with OneCycleLR's settings in
+    its group and restored into one with SWALR's (a scheduler's settings are no optimizer's)."""
     saved_model = two_layers()
     saved_optimizer = trained_one_step(saved_model)
     target_model = two_layers()
@@ -278,14 +279,18 @@ def test_a_checkpoint_of_another_kind_of_optimizer_is_named_in_a_warning(
         target: torch.optim.Optimizer = torch.optim.SGD(
             target_model.parameters(), lr=0.1, momentum=0.9
         )
-    else:
+    elif kind == "adamw":
         target = torch.optim.AdamW(target_model.parameters(), lr=0.01)
+    else:
+        torch.optim.lr_scheduler.OneCycleLR(saved_optimizer, max_lr=0.1, total_steps=10)
+        target = torch.optim.Adam(target_model.parameters(), lr=0.01)
+        torch.optim.swa_utils.SWALR(target, swa_lr=0.05)
     with CheckpointManager(ckpt_dir, 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, {"model": saved_model, "optim": saved_optimizer})
         with caplog.at_level("WARNING", logger="ckptmgr"):
             mgr.restore(1, {"model": target_model, "optim": target})
     warnings = [r.getMessage() for r in caplog.records if "another kind" in r.getMessage()]
-    if kind == "adamw":
+    if kind != "sgd":
         assert warnings == []
         return
     assert len(warnings) == 1, warnings

@@ -288,7 +288,7 @@ def test_per_rank_inside_a_plain_dict_is_stored_under_rank_private_names() -> No
     with pytest.raises(
         CheckpointError,
         match=r"key 'nope' of the state to restore \(per-rank state\) is missing from the "
-        r"checkpoint: no rank saved it",
+        r"checkpoint for rank 3: this rank saved no value of it, and no rank a tensor",
     ):
         restore({"nope": PerRank(torch.zeros(2))}, flat, rank=3, objects_rank=3)
 
