@@ -13,8 +13,8 @@ def end_process_now(code: int) -> NoReturn:
     """Flush logging and the standard streams, then end the process with status ``code``.
 
     For a thread that is not the main thread, where ``SystemExit`` ends only that thread:
-    ``os._exit``, so exit hooks (``atexit``), other threads' ``finally`` blocks and the
-    interpreter's finalization do not run.
+    ``os._exit``, so exit hooks (``atexit``), other threads' ``finally`` blocks (another
+    manager's pending saves) and the interpreter's finalization do not run.
     """
     with contextlib.suppress(Exception):
         logging.shutdown()
