@@ -139,6 +139,7 @@ if _AsyncCheckpointProcess is not None:
         finalization (:func:`_end_daemon_without_finalizing`)."""
 
         def __init__(self, pg_init_info: Any) -> None:
+            self._made_in = os.getpid()
             try:
                 super().__init__(pg_init_info)
             except BaseException as exc:
@@ -157,6 +158,13 @@ if _AsyncCheckpointProcess is not None:
                     f"the checkpoint daemon process (pid {process.pid}) did not become ready: "
                     f"{exc}; it was killed"
                 ) from exc
+
+        def __del__(self) -> None:
+            # DCP's stops the daemon; in a forked child, which inherited this object, the
+            # daemon is not its child ("AssertionError: can only test a child process" printed
+            # at the child's exit), and the parent's to stop
+            if getattr(self, "_made_in", None) == os.getpid() and hasattr(self, "_save_process"):
+                super().__del__()
 
         @staticmethod
         def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
