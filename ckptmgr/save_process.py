@@ -692,6 +692,18 @@ class SaveProcess:
             return None
         try:
             daemon._process_pipe.send_bytes(request)
+            if not daemon._process_pipe.poll(self._timeout_s):
+                # A daemon hung (stopped, or stuck in a system call): the training process
+                # waited for it for ever (a save() with retention too)
+                self._failed = True
+                log.warning(
+                    "the checkpoint daemon (pid %s) did not answer a call of %s within %g s; "
+                    "running it here (the next save replaces the daemon)",
+                    daemon._save_process.pid,
+                    getattr(function, "__qualname__", function),
+                    self._timeout_s,
+                )
+                return None
             answer = daemon._process_pipe.recv()
         except Exception as exc:  # the pipe broke: the daemon died, or is dying
             self._failed = True

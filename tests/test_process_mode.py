@@ -555,6 +555,33 @@ def wait_until_the_writer_waits_for_the_daemon() -> None:
         time.sleep(0.01)
 
 
+def test_a_save_whose_retention_waits_for_a_hung_daemon_deletes_here_after_the_timeout(
+    ckpt_dir: Path,
+) -> None:
+    """An idle daemon that hangs (stopped here): ``save`` (written in this process) hands
+    retention's delete of the step before to the daemon, and waited for its answer for ever.
+    After ``collective_timeout_s`` the delete runs in this process, and the next save replaces
+    the daemon."""
+    with process_manager(ckpt_dir, max_to_keep=1, collective_timeout_s=2) as mgr:
+        daemon = stopped_daemon_after_a_save(mgr, {"w": torch.ones(4)})
+        try:
+            outcome: list[Any] = []
+            saving = threading.Thread(
+                target=lambda: outcome.append(mgr.save(2, {"w": torch.ones(4)}))
+            )
+            saving.start()
+            saving.join(60)
+            assert not saving.is_alive(), "save() waited for the hung daemon"
+            assert outcome == [True]
+            assert mgr.all_steps() == [2]
+            assert sorted(p.name for p in ckpt_dir.glob("step_*")) == ["step_000000000002"]
+        finally:
+            kill_and_reap(daemon)
+        assert mgr.save_async(3, {"w": torch.ones(4)})
+        mgr.join()
+        assert daemon_of(mgr).pid != daemon.pid and mgr.all_steps() == [3]
+
+
 def test_daemon_killed_during_a_save_fails_that_save_only(ckpt_dir: Path) -> None:
     """The daemon is stopped (SIGSTOP) so that the save is certainly in flight in it, then
     killed: that save fails with CheckpointError from join(); the next save gets a new daemon."""
