@@ -225,9 +225,19 @@ def _ended_at_start(process: multiprocessing.process.BaseProcess) -> CheckpointE
     """The error for a daemon that closed its pipe before it was ready: its exit awaited (on
     its sentinel, without reaping it) for its exit code."""
     multiprocessing.connection.wait([process.sentinel], timeout=_EXIT_WAIT_S)
+    code = process.exitcode
+    if code is not None and code < 0:  # killed (the OOM killer's SIGKILL): no advice on code
+        try:
+            killer = signal.Signals(-code).name
+        except ValueError:
+            killer = f"signal {-code}"
+        return CheckpointError(
+            f"the checkpoint daemon process (pid {process.pid}) was killed by {killer} before "
+            f"it was ready (exit code {code})"
+        )
     return CheckpointError(
         f"the checkpoint daemon process (pid {process.pid}) ended before it was ready, exit code "
-        f"{process.exitcode}; what it raised is on its standard error. If the main script makes "
+        f"{code}; what it raised is on its standard error. If the main script makes "
         f"the manager at its top level, {ENTRY_POINT_HINT}"
     )
 
