@@ -934,21 +934,25 @@ def test_a_program_that_ends_without_close_exits_and_stops_its_daemon(
         assert reader.all_steps() == ([1, 2] if mode == "pending" else [1])
 
 
-UNREADY_DAEMON_SCRIPT = r"""
-import multiprocessing, sys, torch
+FAULTY_START_SCRIPT = r"""
+import multiprocessing, os, signal, sys, torch
 from torch.distributed.checkpoint import _async_process_executor
 from ckptmgr import CheckpointManager
 
 waited_for_ready = _async_process_executor._AsyncCheckpointProcess._wait_for_response
 first_start = [True]
 
-def ready_within_a_blink(self, timeout=None):  # DCP waits 1800 s for a daemon to be ready
+def faulty_first_start(self, timeout=None):  # DCP waits 1800 s for a daemon to be ready
     if timeout == 1800 and first_start[0]:
         first_start[0] = False
-        timeout = 0.01
+        if sys.argv[2] == "slow":
+            timeout = 0.01
+        else:  # killed (as by the OOM killer)
+            os.kill(self._save_process.pid, signal.SIGKILL)
+            self._save_process.join(60)
     return waited_for_ready(self, timeout=timeout)
 
-_async_process_executor._AsyncCheckpointProcess._wait_for_response = ready_within_a_blink
+_async_process_executor._AsyncCheckpointProcess._wait_for_response = faulty_first_start
 
 if __name__ == "__main__":
     mgr = CheckpointManager(sys.argv[1], 1, async_mode="process", chkpt_on_preemption=False)
@@ -972,39 +976,11 @@ def test_a_daemon_that_is_not_ready_in_time_is_killed_and_the_program_exits(
     running, held by nothing: close() left it, and the program never exited (multiprocessing's
     exit waits for its daemonic children, and the daemon ignores SIGTERM). It is killed, the save
     fails saying so (it raised DCP's bare RuntimeError), and the next save starts another."""
-    returncode, out, err = run_script(tmp_path, UNREADY_DAEMON_SCRIPT, str(tmp_path / "ckpts"))
+    returncode, out, err = run_script(tmp_path, FAULTY_START_SCRIPT, str(tmp_path / "c"), "slow")
     assert returncode == 0, out + err
     assert "join raised CheckpointError" in out and "did not become ready" in out, out + err
     assert "children after the failed start []" in out, out
     assert "listed [2]" in out, out
-
-
-KILLED_AT_START_SCRIPT = r"""
-import os, signal, sys, torch
-from torch.distributed.checkpoint import _async_process_executor
-from ckptmgr import CheckpointManager
-
-waited_for_ready = _async_process_executor._AsyncCheckpointProcess._wait_for_response
-first_start = [True]
-
-def killed_while_starting(self, timeout=None):
-    if timeout == 1800 and first_start[0]:
-        first_start[0] = False
-        os.kill(self._save_process.pid, signal.SIGKILL)  # (as the OOM killer would)
-        self._save_process.join(60)
-    return waited_for_ready(self, timeout=timeout)
-
-_async_process_executor._AsyncCheckpointProcess._wait_for_response = killed_while_starting
-
-if __name__ == "__main__":
-    mgr = CheckpointManager(sys.argv[1], 1, async_mode="process", chkpt_on_preemption=False)
-    mgr.save_async(1, {"w": torch.ones(4)})
-    try:
-        mgr.join()
-    except Exception as exc:
-        print("join raised", type(exc).__name__, exc, flush=True)
-    mgr.close()
-"""
 
 
 def test_a_daemon_killed_while_starting_is_named_so_without_advice_on_the_script(
@@ -1012,11 +988,12 @@ def test_a_daemon_killed_while_starting_is_named_so_without_advice_on_the_script
 ) -> None:
     """A daemon killed by a signal before it was ready (the OOM killer) was reported with the
     advice to guard the main script, which is for a daemon that raised there."""
-    returncode, out, err = run_script(tmp_path, KILLED_AT_START_SCRIPT, str(tmp_path / "ckpts"))
+    returncode, out, err = run_script(tmp_path, FAULTY_START_SCRIPT, str(tmp_path / "c"), "killed")
     assert returncode == 0, out + err
     assert "join raised CheckpointError" in out, out + err
     assert "was killed by SIGKILL before it was ready (exit code -9)" in out, out
     assert "__main__" not in out, out
+    assert "listed [2]" in out, out
 
 
 DAEMONIC_CHILD_SCRIPT = r"""
