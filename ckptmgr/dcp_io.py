@@ -37,6 +37,7 @@ import fsspec.core
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations as fsspec_known_implementations
 from fsspec.registry import registry as fsspec_registered
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -73,6 +74,7 @@ from ckptmgr.integrity import (
 )
 from ckptmgr.kept_results import KeptResults
 from ckptmgr.load_chunks import chunk_stand_ins
+from ckptmgr.local_files import open_step_file
 from ckptmgr.metadata_file import MetadataFile
 from ckptmgr.remote_filesystem import RetryingFileSystem
 from ckptmgr.retry import Retrier, RetryConfig
@@ -130,8 +132,12 @@ warnings.filterwarnings(
 def read_metadata_file(fs: Any, step_path: str) -> dcp_metadata.Metadata:
     """Read ``<step_path>/.metadata`` from the fsspec file system ``fs`` with the restricted
     unpickler (``CorruptCheckpointError`` when it is missing or refused)."""
+    path = f"{step_path.rstrip('/')}/.metadata"
     try:
-        with fs.open(f"{step_path.rstrip('/')}/.metadata", "rb") as stream:
+        if isinstance(fs, LocalFileSystem):  # a FIFO, a device: refused, not waited on
+            with open_step_file(path, ".metadata") as stream:
+                return load_metadata_safely(stream)
+        with fs.open(path, "rb") as stream:
             return load_metadata_safely(stream)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError("checkpoint metadata is missing", path=".metadata") from exc
@@ -187,7 +193,7 @@ class ChecksummingFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         name = relative_name(self.root, path)
         if "r" in mode:
-            with open(path, mode) as stream:
+            with open_step_file(path, name) as stream:
                 if self.expected is not None:
                     size, crc = crc32_of_stream(stream)
                     check_content(name, self.expected, size, crc)

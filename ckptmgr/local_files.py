@@ -12,6 +12,9 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
+from typing import BinaryIO
+
+from ckptmgr.errors import CorruptCheckpointError
 
 _KINDS = {
     stat.S_IFDIR: "a directory",
@@ -26,23 +29,37 @@ class NotRegularFileError(OSError):
     """A path that should be a file is something else (a directory, a FIFO, a device)."""
 
 
-def read_regular_file(path: str) -> bytes:
-    """The bytes of the regular file ``path`` (a link to one is followed). Anything else
-    raises :class:`NotRegularFileError` before a byte is read: a FIFO is opened without
-    waiting for a writer (``O_NONBLOCK``), and a socket cannot be opened at all (``ENXIO``, an
-    ``OSError``)."""
+def open_regular_file(path: str | os.PathLike[str], *, buffering: int = -1) -> BinaryIO:
+    """``open(path, "rb")`` of the regular file ``path`` (a link to one is followed). Anything
+    else raises :class:`NotRegularFileError` before a byte is read: a FIFO is opened without
+    waiting for a writer (``O_NONBLOCK``), a link to ``/dev/zero`` is not read for ever, and a
+    socket cannot be opened at all (``ENXIO``, an ``OSError``)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-            raise NotRegularFileError(errno.EINVAL, f"{kind}, not a regular file", path)
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-    finally:
+            raise NotRegularFileError(errno.EINVAL, f"{kind}, not a regular file", os.fspath(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
         os.close(fd)
-    return b"".join(chunks)
+        raise
+
+
+def open_step_file(path: str | os.PathLike[str], name: str, *, buffering: int = -1) -> BinaryIO:
+    """:func:`open_regular_file` of a step's file ``name``, where anything but a regular file
+    is damage: ``CorruptCheckpointError`` naming it."""
+    try:
+        return open_regular_file(path, buffering=buffering)
+    except NotRegularFileError as exc:
+        raise CorruptCheckpointError(f"{name} is {exc.strerror}", path=name) from exc
+
+
+def read_regular_file(path: str) -> bytes:
+    """The bytes of the regular file ``path``, opened by :func:`open_regular_file`."""
+    with open_regular_file(path) as handle:
+        return handle.read()
 
 
 def walk_files(top: str) -> Iterator[str]:

@@ -58,6 +58,7 @@ from ckptmgr.integrity import (
 )
 from ckptmgr.local_files import (
     NotRegularFileError,
+    open_step_file,
     read_regular_file,
     remove_tree_iteratively,
     walk_files,
@@ -558,7 +559,7 @@ class CheckpointStorage:
         bytes: read whole on a local disk, by ranged reads several at once elsewhere (as a
         restore reads data files, :mod:`ckptmgr.remote_read`), each retried."""
         if self.is_local:
-            with open(path, "rb") as handle:
+            with open_step_file(path, name) as handle:
                 return crc32_of_stream(handle)
         return crc32_of_remote(ranged_reads(self.fs, path, self.call), size, name)
 

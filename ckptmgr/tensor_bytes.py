@@ -33,6 +33,7 @@ import torch
 from ckptmgr.direct_read import DirectReader, open_direct_read
 from ckptmgr.direct_write import DirectWriter, open_direct
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError
+from ckptmgr.local_files import open_step_file
 from ckptmgr.ordered_hash import HANDOFF_BYTES, OrderedHasher
 from ckptmgr.writeback import WriteBehind
 
@@ -391,7 +392,7 @@ class VerifyingLocalFile:
     def __init__(
         self, path: str | os.PathLike[str], name: str, check: Any, *, hash_inline: bool = False
     ) -> None:
-        self._file = open(path, "rb", buffering=0)
+        self._file = open_step_file(path, name, buffering=0)
         try:
             direct_fd = open_direct_read(path)
         except BaseException:

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptmgr import CheckpointManager, CorruptCheckpointError
+from ckptmgr import CheckpointManager, CommitRecord, CorruptCheckpointError
 from ckptmgr.cli import main as cli_main
 from ckptmgr.local_files import NotRegularFileError, read_regular_file, walk_files
 from ckptmgr.storage import CheckpointStorage
@@ -159,6 +159,36 @@ def test_a_commit_record_that_can_never_be_one_is_damage(root: Path, kind: str) 
     with CheckpointManager(root, 1, chkpt_on_preemption=False, read_only=True) as manager:
         with pytest.raises(CorruptCheckpointError, match="commit record"):
             bounded(lambda: manager.restore(3, {"w": torch.zeros(64)}))
+    step, restored = bounded(lambda: restore_latest(root))
+    assert step == 2 and torch.equal(restored, state_of(2)["w"])
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "link to /dev/zero"])
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_a_steps_file_that_is_no_regular_file_is_damage_not_a_wait(
+    root: Path, fifos: Callable[[Path], None], kind: str, name: str
+) -> None:
+    """DCP's ``.metadata`` or a data file of step 3 made a FIFO or a link to ``/dev/zero``, its
+    record saying 0 bytes (so that the size check passes): restore waited on the FIFO for a
+    writer, or read ``/dev/zero`` for ever, and so did ``verify --deep``; both are damage
+    now, and ``restore_latest`` falls back to step 2."""
+    record_path = step_dir(root, 3) / "commit.json"
+    record = CommitRecord.from_json(record_path.read_bytes())
+    files = [
+        entry.model_copy(update={"size": 0, "crc32": 0}) if entry.path == name else entry
+        for entry in record.files
+    ]
+    assert files != record.files
+    record_path.write_bytes(record.model_copy(update={"files": files}).to_json())
+    path = step_dir(root, 3) / name
+    if kind == "FIFO":
+        fifos(path)
+    else:
+        path.unlink()
+        path.symlink_to("/dev/zero")
+    with CheckpointManager(root, 1, chkpt_on_preemption=False, read_only=True) as manager:
+        with pytest.raises(CorruptCheckpointError, match=f"{name} is a "):
+            bounded(lambda: manager.verify(3, deep=True))
     step, restored = bounded(lambda: restore_latest(root))
     assert step == 2 and torch.equal(restored, state_of(2)["w"])
 
