@@ -16,14 +16,13 @@ hands out nothing shared that BUILD could change:
   construction gives an object of the real class and which refuses to have attributes set;
 * DCP's memory-format enum as a stand-in whose members are fresh :class:`_EncodedFormat`
   objects (which refuse attributes too) equal to the real member they name;
-* ``torch.Size``, ``OrderedDict`` and torch's dtypes, layouts and memory formats as they are:
-  built-in types and objects that take no attributes.
+* ``torch.Size`` and torch's dtypes, layouts and memory formats as they are, and ``dict`` for
+  ``OrderedDict`` (whose instances would take attributes): built-in types and objects that
+  take no attributes.
 """
 
 from __future__ import annotations
 
-import collections
-import collections.abc
 import io
 import operator
 import pathlib
@@ -66,9 +65,11 @@ if _StorageInfo is not None:
 
 _BUILT_IN_TYPES: dict[tuple[str, str], type] = {
     ("torch", "Size"): torch.Size,
-    ("collections", "OrderedDict"): collections.OrderedDict,
+    # A plain dict (ordered as well): an OrderedDict takes attributes, which a BUILD could set
+    # to shadow its methods (``values``) from the checks below
+    ("collections", "OrderedDict"): dict,
 }
-"""Types handed out as they are: built-in types take no attributes (BUILD on one fails)."""
+"""Types handed out: built-in types whose instances take no attributes (BUILD on one fails)."""
 
 _MEMORY_FORMAT_ENCODING = getattr(dcp_metadata, "_MEM_FORMAT_ENCODING", None)
 
@@ -208,10 +209,10 @@ def _check_storage_paths(metadata: dcp_metadata.Metadata) -> None:
     storage_data = getattr(metadata, "storage_data", None)
     if storage_data is None:
         return
-    if not isinstance(storage_data, collections.abc.Mapping):
+    if not isinstance(storage_data, dict):
         raise CorruptCheckpointError("checkpoint metadata is malformed", path=".metadata")
     try:  # each file once: a chunk per tensor and rank names one of a file per rank
-        relatives = set(map(_RELATIVE_PATH, storage_data.values()))
+        relatives = set(map(_RELATIVE_PATH, dict.values(storage_data)))
     except (AttributeError, TypeError):  # (no path, or an unhashable one)
         raise CorruptCheckpointError("checkpoint metadata is malformed", path=".metadata") from None
     for relative in relatives:

@@ -260,3 +260,17 @@ def test_every_file_a_chunk_names_is_checked_once_each() -> None:
     for record in (_StorageInfo(7, 0, 8), 42, _StorageInfo(["a"], 0, 8)):  # type: ignore[arg-type]
         with pytest.raises(CorruptCheckpointError, match="malformed"):
             load(storage_metadata({**good, index: record}))
+
+
+def test_an_ordered_dict_whose_methods_are_shadowed_is_refused() -> None:
+    """An OrderedDict takes attributes: BUILD set ``values`` on storage_data to ``torch.Size``
+    (``values()`` then gave no record), hiding ``../../etc/passwd`` from the check of the
+    paths. OrderedDicts are read as dicts, which take none."""
+    index = dcp_metadata.MetadataIndex("t", torch.Size([0]), 0)
+    shadowed = collections.OrderedDict({index: _StorageInfo("../../etc/passwd", 0, 8)})
+    shadowed.values = torch.Size  # type: ignore[method-assign]
+    with pytest.raises(CorruptCheckpointError, match="not plain DCP metadata"):
+        load(storage_metadata(shadowed))
+    plain = collections.OrderedDict({index: _StorageInfo("__0_0.distcp", 0, 8)})
+    loaded = load(storage_metadata(plain))
+    assert type(loaded.storage_data) is dict and loaded.storage_data == plain
