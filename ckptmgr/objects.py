@@ -11,7 +11,7 @@ import base64
 import math
 from typing import Any
 
-from ckptmgr.errors import CheckpointError
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError, describe_error
 
 TAG = "__ckptmgr__"
 
@@ -147,18 +147,28 @@ def _first_unsupported(value: Any, path: str) -> tuple[str, type] | None:
 
 
 def decode(data: Any) -> Any:
-    """Inverse of :func:`encode`."""
+    """Inverse of :func:`encode`. ``CorruptCheckpointError`` for what it never writes (a tag
+    whose fields are missing or of another type, an unhashable key, an unknown tag)."""
+    try:
+        return _decode(data)
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        raise CorruptCheckpointError(
+            f"a plain value in the checkpoint is not one ckptmgr writes: {describe_error(exc)}"
+        ) from exc
+
+
+def _decode(data: Any) -> Any:
     kind = type(data)
     if kind is list:
         if len(data) >= _LONG_LIST and set(map(type, data)) <= _DECODED_AS_IS:
             return list(data)
-        return [item if type(item) in _DECODED_AS_IS else decode(item) for item in data]
+        return [item if type(item) in _DECODED_AS_IS else _decode(item) for item in data]
     if kind is not dict:
         return data
     tag = data.get(TAG)
     if tag is None:
         return {
-            key: item if type(item) in _DECODED_AS_IS else decode(item)
+            key: item if type(item) in _DECODED_AS_IS else _decode(item)
             for key, item in data.items()
         }
     if tag == "float":
@@ -168,10 +178,10 @@ def decode(data: Any) -> Any:
     if tag == "bytes":
         return base64.b64decode(data["base64"])
     if tag == "tuple":
-        return tuple(decode(item) for item in data["items"])
+        return tuple(_decode(item) for item in data["items"])
     if tag == "dict":
-        return {_hashable(decode(key)): decode(item) for key, item in data["items"]}
-    raise CheckpointError(f"unknown value tag {tag!r} in checkpoint objects")
+        return {_hashable(_decode(key)): _decode(item) for key, item in data["items"]}
+    raise CorruptCheckpointError(f"unknown value tag {tag!r} in checkpoint objects")
 
 
 def _hashable(key: Any) -> Any:

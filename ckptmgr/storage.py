@@ -489,7 +489,7 @@ class CheckpointStorage:
         check_content(name, expected, len(raw), crc32(raw), step=step)
         try:
             data = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (nested deeper than the recursion limit)
             raise CorruptCheckpointError(
                 f"{path} is not valid JSON: the checkpoint is damaged", path=name, step=step
             ) from exc

@@ -630,6 +630,35 @@ def test_crafted_objects_file_is_refused(root: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "value",
+    [
+        '{"__ckptmgr__": "dict", "items": [[{"a": 1}, 1]]}',  # an unhashable key
+        '{"__ckptmgr__": "float"}',  # a field missing
+        '{"__ckptmgr__": "int", "hex": "zz"}',
+        '{"__ckptmgr__": "tuple", "items": 5}',
+        '{"__ckptmgr__": "nothing we write"}',
+        "[" * 100_000 + "]" * 100_000,  # deeper than the recursion limit
+    ],
+    ids=["unhashable key", "missing field", "bad hex", "items no list", "unknown tag", "deep"],
+)
+def test_a_plain_value_ckptmgr_never_writes_is_damage_and_restore_latest_falls_back(
+    root: str, value: str
+) -> None:
+    """Crafted plain values raised Python's bare KeyError, TypeError, ValueError or
+    RecursionError from the restore, so restore_latest raised instead of falling back."""
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        mgr.save(2, state_of(2))
+        crafted = '{"progress": {"step": 2, "name": ' + value + "}}"
+        forge(root, 2, "objects-rank00000.json", crafted.encode(), fix_record=True)
+        with pytest.raises(CorruptCheckpointError):
+            mgr.restore(2, empty_state())
+        state = empty_state()
+        assert mgr.restore_latest(state) == 1
+    assert_state_of(state, 1)
+
+
+@pytest.mark.parametrize(
     "bad_path", ["../step_000000000002/.metadata", "/etc/passwd", "a/../../b", "", "C:\\x"]
 )
 def test_paths_in_a_record_never_leave_the_step_directory(root: str, bad_path: str) -> None:
