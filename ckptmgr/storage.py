@@ -986,9 +986,11 @@ class CheckpointStorage:
             if _leads_nowhere(exc):
                 return None
             raise
+        if os.path.islink(path):  # what it leads to is no save's (not walked: /usr took 4 s)
+            return newest
         for full in walk_files(path):
-            try:
-                newest = max(newest, os.path.getmtime(full))
+            try:  # a link's own time: what it leads to is no save's, and may be unreadable
+                newest = max(newest, os.lstat(full).st_mtime)
             except OSError as exc:
                 if not _leads_nowhere(exc):
                     raise

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -334,6 +335,27 @@ def test_a_file_with_a_step_name_is_swept_once(
     assert sorted(path.name for path in root.iterdir() if path.name.startswith((".", "step_"))) == [
         step_dir(root, step).name for step in STEPS
     ]
+
+
+def test_a_leftovers_age_is_its_own_not_that_of_what_its_links_lead_to(
+    root: Path, tmp_path: Path
+) -> None:
+    """A leftover's age was the newest time of everything under it, links followed: a link to
+    a file changed a moment ago kept a day-old leftover from being swept, a link to a big tree
+    made every manager walk it (/usr: 4 s), and one to what cannot be read (EACCES) failed
+    every manager of the root with a bare PermissionError."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "new").write_bytes(b"changed a moment ago")
+    leftover = root / ".tmp-step_000000000009-0123456789abcdef"
+    leftover.mkdir()
+    (leftover / "__0_0.distcp").write_bytes(b"half a save")
+    (leftover / "link").symlink_to(outside / "new")
+    day_ago = time.time() - 86400
+    for path in (leftover / "__0_0.distcp", leftover / "link", leftover):
+        os.utime(path, (day_ago, day_ago), follow_symlinks=False)
+    CheckpointManager(root, 1, chkpt_on_preemption=False, leftover_grace_s=3600).close()
+    assert not leftover.exists() and (outside / "new").exists()
 
 
 # -- deep trees -----------------------------------------------------------------------------------
