@@ -47,6 +47,7 @@ from ckptmgr.cli_output import (
     one_line,
     or_dash,
     plural,
+    printable_output,
     progress,
     write_table,
 )
@@ -350,7 +351,7 @@ def _add_force(sub: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``ckptmgr`` command; returns the exit status (argparse exits 2 on usage errors)."""
     args = build_parser().parse_args(argv)
-    with log_to_stderr(verbose=args.verbose):
+    with printable_output(), log_to_stderr(verbose=args.verbose):
         return run_command(args)
 
 

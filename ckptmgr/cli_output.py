@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -14,6 +15,45 @@ from typing import Any, TextIO
 
 Report = dict[str, Any]
 """A command's report: a plain JSON-compatible dict, printed as JSON or for a person."""
+
+
+# Control characters but newline and tab (C0, DEL, C1): ESC starts a terminal's escape sequences
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL_BUT_CARRIAGE_RETURN = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return f"\\x{ord(match.group()):02x}"
+
+
+class PrintableStream:
+    """A text stream that writes control characters as ``\\xNN`` escapes: names read from a
+    checkpoint (steps' files, tensors, metrics, leftovers) may hold a terminal's escape
+    sequences, which would rewrite the screen, set its title or fake other output."""
+
+    def __init__(self, stream: TextIO, *, keep_carriage_return: bool = False) -> None:
+        self._stream = stream
+        self._pattern = _CONTROL_BUT_CARRIAGE_RETURN if keep_carriage_return else _CONTROL
+
+    def write(self, text: str) -> int:
+        """Write ``text``, its control characters escaped."""
+        return self._stream.write(self._pattern.sub(_escaped, text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def printable_output() -> Iterator[None]:
+    """Standard output and standard error as :class:`PrintableStream` (a progress bar's ``\\r``
+    kept on standard error; JSON output has none to escape: ``json`` writes them as ``\\u``)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout = PrintableStream(out)  # type: ignore[assignment]
+    sys.stderr = PrintableStream(err, keep_carriage_return=True)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = out, err
 
 
 def one_line(error: BaseException) -> str:

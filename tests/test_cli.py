@@ -501,6 +501,29 @@ def test_ctrl_c_while_export_reads_the_tensors_exits_130(
     assert not output.exists()
 
 
+def test_names_from_the_checkpoint_are_printed_with_their_control_characters_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A metric name, a tensor name and a leftover's name holding a terminal's escape
+    sequences (clear the screen, set the title) reached the terminal as they were."""
+    from ckptmgr.cli import main
+
+    root = tmp_path / "run"
+    clear, title = "\x1b[2J", "\x1b]0;owned\x07"
+    with CheckpointManager(root, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {f"w{clear}": torch.ones(3)}, metrics={f"loss{title}": 0.5})
+    (root / f".tmp-step_000000000002-{clear}").mkdir()
+    for args in (["ls", "--all", str(root)], ["inspect", str(root)], ["verify", str(root)]):
+        assert main(args) == 0, args
+        output = capsys.readouterr()
+        assert "\x1b" not in output.out + output.err, (args, output)
+    assert main(["ls", "--all", str(root)]) == 0
+    shown = capsys.readouterr().out
+    assert "loss\\x1b]0;owned\\x07=0.5" in shown and "\\x1b[2J" in shown, shown
+    assert main(["inspect", str(root), "--json"]) == 0
+    assert "w\x1b[2J" in json.loads(capsys.readouterr().out)["tensors"][0]["name"]
+
+
 @pytest.mark.parametrize("command", ["rm", "prune"])
 def test_a_failed_delete_reports_what_was_deleted_then_fails(
     source: SourceCheckpoint,
