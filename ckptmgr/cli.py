@@ -769,7 +769,7 @@ def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: 
         try:
             from ckptmgr.dcp_io import read_metadata_file  # (imports DCP: only here)
 
-            read_metadata_file(storage.fs, step_path)
+            read_metadata_file(storage.fs, step_path, [entry.path for entry in record.files])
         except CorruptCheckpointError as error:
             row["problems"].append({"path": ".metadata", "problem": one_line(error)})
     row["ok"] = not row["problems"]

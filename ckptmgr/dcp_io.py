@@ -25,7 +25,7 @@ import pickle
 import threading
 import warnings
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -129,18 +129,29 @@ warnings.filterwarnings(
 )
 
 
-def read_metadata_file(fs: Any, step_path: str) -> dcp_metadata.Metadata:
+def read_metadata_file(
+    fs: Any, step_path: str, listed: Collection[str] | None = None
+) -> dcp_metadata.Metadata:
     """Read ``<step_path>/.metadata`` from the fsspec file system ``fs`` with the restricted
-    unpickler (``CorruptCheckpointError`` when it is missing or refused)."""
+    unpickler (``CorruptCheckpointError`` when it is missing or refused, or names a data file
+    that ``listed``, the commit record's files, lacks: a restore refuses to read one)."""
     path = f"{step_path.rstrip('/')}/.metadata"
     try:
         if isinstance(fs, LocalFileSystem):  # a FIFO, a device: refused, not waited on
             with open_step_file(path, ".metadata") as stream:
-                return load_metadata_safely(stream)
-        with fs.open(path, "rb") as stream:
-            return load_metadata_safely(stream)
+                metadata = load_metadata_safely(stream)
+        else:
+            with fs.open(path, "rb") as stream:
+                metadata = load_metadata_safely(stream)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError("checkpoint metadata is missing", path=".metadata") from exc
+    if listed is not None:
+        named = {info.relative_path for info in dict.values(metadata.storage_data or {})}
+        for name in sorted(named - set(listed)):
+            raise CorruptCheckpointError(
+                f"{name}, named by .metadata, is not listed in the commit record", path=name
+            )
+    return metadata
 
 
 class _SafeMetadataMixin:

@@ -1355,7 +1355,9 @@ class CheckpointManager:
             problems = storage.verify_files(storage.step_path(step), record, deep=deep)
             if deep and not problems and any(entry.path == ".metadata" for entry in record.files):
                 try:
-                    dcp_io.read_metadata_file(storage.fs, storage.step_path(step))
+                    dcp_io.read_metadata_file(
+                        storage.fs, storage.step_path(step), [e.path for e in record.files]
+                    )
                 except CorruptCheckpointError as exc:
                     raise CorruptCheckpointError(
                         f"step {step} is damaged: {exc}", path=".metadata", step=step

@@ -704,6 +704,26 @@ class _BytesStream:
 # -- the command line ---------------------------------------------------------------------------
 
 
+def test_verify_deep_refuses_metadata_naming_a_file_the_record_does_not_list(root: str) -> None:
+    """.metadata naming a data file that the commit record does not list: restore refused it,
+    while verify(deep=True) and ``ckptmgr verify --deep`` called the step sound."""
+    from ckptmgr.cli import main as cli_main
+
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        metadata = pickle.loads(read(root, 1, ".metadata"))
+        for info in metadata.storage_data.values():
+            info.relative_path = "other.distcp"
+        forge(root, 1, ".metadata", pickle.dumps(metadata), fix_record=True)
+        named = r"other\.distcp, named by \.metadata, is not listed"
+        with pytest.raises(CorruptCheckpointError, match=named):
+            mgr.verify(1, deep=True)
+        with pytest.raises(CorruptCheckpointError):
+            mgr.restore(1, empty_state())
+    if not root.startswith(("gs://", "s3://", "memory://")):
+        assert cli_main(["verify", "--deep", root]) == 1
+
+
 def test_cli_verify_reports_damage_with_exit_status_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
