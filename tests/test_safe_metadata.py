@@ -274,3 +274,20 @@ def test_an_ordered_dict_whose_methods_are_shadowed_is_refused() -> None:
     plain = collections.OrderedDict({index: _StorageInfo("__0_0.distcp", 0, 8)})
     loaded = load(storage_metadata(plain))
     assert type(loaded.storage_data) is dict and loaded.storage_data == plain
+
+
+def test_chunks_shared_through_the_memo_beyond_the_files_size_are_refused() -> None:
+    """A small file whose tensors share one list of chunks (pickle's memo): DCP's load went
+    through every tensor's chunks, N x M of them, for minutes (a 250 KB file: 20,000 x 20,000).
+    Metadata naming more chunks than the file has bytes is refused; DCP's own is far below."""
+    chunk = dcp_metadata.ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
+    item = dcp_metadata.TensorStorageMetadata(
+        properties=properties(), size=torch.Size([4]), chunks=[chunk] * 2000
+    )
+    bomb = pickle.dumps(
+        dcp_metadata.Metadata(state_dict_metadata={f"t{i}": item for i in range(200)}),
+        protocol=4,
+    )
+    assert len(bomb) < 20_000
+    with pytest.raises(CorruptCheckpointError, match="names 400000 chunks in"):
+        load(bomb)
