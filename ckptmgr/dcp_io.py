@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import logging
 import os
 import pickle
 import threading
@@ -127,6 +128,19 @@ warnings.filterwarnings(
     r"is to (save|load) in a single process",
     category=UserWarning,
 )
+
+
+def _not_ckptmgrs_refusal(record: logging.LogRecord) -> bool:
+    """False for DCP's warnings that it falls back to rank-local metadata when the error is
+    ckptmgr's refusal of a ``.metadata`` (ckptmgr writes none, and raises the refusal itself):
+    two full tracebacks on standard error for every damaged step ``restore_latest`` passed.
+    DCP's loader logs them on the root logger: every other record passes."""
+    if record.module != "state_dict_loader" or not record.exc_info:
+        return True
+    return not isinstance(record.exc_info[1], CorruptCheckpointError)
+
+
+logging.getLogger().addFilter(_not_ckptmgrs_refusal)  # (where DCP's loader logs them)
 
 
 def read_metadata_file(

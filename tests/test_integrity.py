@@ -724,6 +724,33 @@ def test_verify_deep_refuses_metadata_naming_a_file_the_record_does_not_list(roo
         assert cli_main(["verify", "--deep", root]) == 1
 
 
+REFUSED_METADATA_CHILD = r"""
+import logging, sys, torch
+from ckptmgr import CheckpointManager
+
+logging.basicConfig(level=logging.INFO)
+with CheckpointManager(sys.argv[1], 1, chkpt_on_preemption=False) as mgr:
+    target = {"w": torch.zeros(4)}
+    print("restored", mgr.restore_latest(target), flush=True)
+"""
+
+
+def test_a_refused_metadata_is_reported_once_without_dcps_tracebacks(tmp_path: Path) -> None:
+    """DCP logs a failed read of ``.metadata`` twice with its traceback on the root logger
+    (falling back to rank-local metadata, which ckptmgr never writes): for a damaged step
+    restore_latest passed, two full tracebacks before ckptmgr's one line."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+        mgr.save(2, {"w": torch.ones(4)})
+    forge(str(root), 2, ".metadata", b"not a pickle", fix_record=True)
+    result = run_python(REFUSED_METADATA_CHILD, str(root))
+    assert result.returncode == 0, result.stderr
+    assert "restored 1" in result.stdout
+    assert "step 2 is damaged and is quarantined" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "Falling back" not in result.stderr, result.stderr
+
+
 def test_cli_verify_reports_damage_with_exit_status_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
