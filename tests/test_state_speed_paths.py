@@ -912,7 +912,7 @@ def test_plain_values_under_dicts_of_tensors_are_read_as_item_by_item() -> None:
         error = assert_same_outcome_as_one_by_one(
             functools.partial(planned, state, flat.tensors, objects)
         )
-        assert error == "CheckpointError: unknown value tag 'bogus' in checkpoint objects"
+        assert error == "CorruptCheckpointError: unknown value tag 'bogus' in checkpoint objects"
 
 
 def test_keys_mapping_to_one_path_keep_the_first_place_and_the_last_tensor() -> None:
