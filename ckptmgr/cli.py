@@ -45,6 +45,7 @@ from ckptmgr.cli_output import (
     format_shape,
     format_timestamp,
     one_line,
+    one_line_name,
     or_dash,
     plural,
     printable_output,
@@ -805,7 +806,8 @@ def render_verify(report: Report, out: TextIO) -> None:
     write_table(out, ["STEP", "FILES", "SIZE", "STATUS"], rows, right=("STEP", "FILES"))
     for row in report["steps"]:
         for problem in row["problems"]:
-            print(f"step {row['step']}: {problem['path']} {problem['problem']}", file=out)
+            path = one_line_name(problem["path"])
+            print(f"step {row['step']}: {path} {problem['problem']}", file=out)
 
 
 # -- prune -----------------------------------------------------------------------------------

@@ -56,6 +56,13 @@ def printable_output() -> Iterator[None]:
         sys.stdout, sys.stderr = out, err
 
 
+def one_line_name(name: str) -> str:
+    """``name`` (read from a checkpoint) on one line: its line breaks as ``\\xNN`` escapes, so
+    that it cannot print lines of its own (the other control characters are escaped by
+    :class:`PrintableStream`)."""
+    return name.replace("\n", "\\x0a").replace("\r", "\\x0d")
+
+
 def one_line(error: BaseException) -> str:
     """``error``'s message on one line (its type's name when it has none)."""
     return " ".join(str(error).split()) or type(error).__name__
@@ -74,7 +81,9 @@ def emit(report: Report, as_json: bool, render: Callable[[Report, TextIO], None]
 def write_table(
     out: TextIO, header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[str] = ()
 ) -> None:
-    """Columns padded to their widest cell; the last column is not padded."""
+    """Columns padded to their widest cell; the last column is not padded. A cell is one line
+    (names read from a checkpoint: see :func:`one_line_name`)."""
+    rows = [[one_line_name(str(cell)) for cell in row] for row in rows]
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
     right_aligned = {index for index, name in enumerate(header) if name in right}
     for line in [list(header), *rows]:
@@ -128,7 +137,7 @@ def format_age(seconds: float) -> str:
 
 def format_metrics(metrics: Mapping[str, float]) -> str:
     """``loss=0.25 acc=0.9`` (sorted by name)."""
-    return " ".join(f"{name}={value:g}" for name, value in sorted(metrics.items()))
+    return " ".join(f"{one_line_name(name)}={value:g}" for name, value in sorted(metrics.items()))
 
 
 def format_shape(shape: Sequence[int]) -> str:

@@ -34,7 +34,12 @@ def open_regular_file(path: str | os.PathLike[str], *, buffering: int = -1) -> B
     else raises :class:`NotRegularFileError` before a byte is read: a FIFO is opened without
     waiting for a writer (``O_NONBLOCK``), a link to ``/dev/zero`` is not read for ever, and a
     socket cannot be opened at all (``ENXIO``, an ``OSError``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except BlockingIOError:  # a file under a lease (Samba, NFS): not waiting for it to break
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # (a regular file: waits for the break)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

@@ -151,9 +151,14 @@ def decode(data: Any) -> Any:
     whose fields are missing or of another type, an unhashable key, an unknown tag)."""
     try:
         return _decode(data)
-    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptCheckpointError(
             f"a plain value in the checkpoint is not one ckptmgr writes: {describe_error(exc)}"
+        ) from exc
+    except RecursionError as exc:  # no damage: how deep the caller's stack already is counts
+        raise CheckpointError(
+            "a plain value in the checkpoint is nested deeper than Python's recursion limit "
+            "allows here"
         ) from exc
 
 

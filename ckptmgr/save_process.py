@@ -87,6 +87,7 @@ COMMITTED_ATTRIBUTE = "ckptmgr_committed"
 """Attribute of the returned DCP metadata when the writer committed the step in its ``finish``
 (:mod:`ckptmgr.daemon_commit`): what the commit returned."""
 
+_LONGEST_POLL_S = 2_000_000.0  # Connection.poll's limit (its select takes milliseconds in an int)
 _EXIT_WAIT_S = 5.0  # a daemon whose pipe broke is given this long to be gone
 _EXIT_PRIORITY = 100
 """Of the exit hook that stops a manager's daemon: multiprocessing runs hooks of priority >= 0
@@ -702,7 +703,7 @@ class SaveProcess:
             return None
         try:
             daemon._process_pipe.send_bytes(request)
-            if not daemon._process_pipe.poll(self._timeout_s):
+            if not daemon._process_pipe.poll(min(self._timeout_s, _LONGEST_POLL_S)):
                 # A daemon hung (stopped, or stuck in a system call): the training process
                 # waited for it for ever (a save() with retention too)
                 self._failed = True
@@ -847,7 +848,7 @@ class SaveProcess:
             log.warning(
                 "replacing the checkpoint daemon process (pid %s, %s)",
                 process.pid,
-                "its last save failed"
+                "its last save or call failed"
                 if process.is_alive()
                 else f"gone with exit code {process.exitcode}",
             )

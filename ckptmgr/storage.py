@@ -489,9 +489,13 @@ class CheckpointStorage:
         check_content(name, expected, len(raw), crc32(raw), step=step)
         try:
             data = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # (nested deeper than the recursion limit)
+        except ValueError as exc:
             raise CorruptCheckpointError(
                 f"{path} is not valid JSON: the checkpoint is damaged", path=name, step=step
+            ) from exc
+        except RecursionError as exc:  # no damage: how deep the caller's stack already is counts
+            raise CheckpointError(
+                f"{path} is nested deeper than Python's recursion limit allows here"
             ) from exc
         if not isinstance(data, dict):
             raise CorruptCheckpointError(
@@ -980,14 +984,19 @@ class CheckpointStorage:
     def _newest_mtime(self, path: str) -> float | None:
         """The newest modification time under ``path``; None when it is gone meanwhile (a save
         committed or discarded it, a delete renamed it)."""
+        if os.path.islink(path):  # what it leads to is no save's (not walked: /usr took 4 s)
+            if not os.path.exists(path):  # (a link that loops or leads nowhere, unreadable)
+                return None
+            try:
+                return os.lstat(path).st_mtime  # its own time
+            except FileNotFoundError:
+                return None
         try:
             newest = os.path.getmtime(path)
-        except OSError as exc:  # (also a link named step_<N> that loops: it leads nowhere)
+        except OSError as exc:
             if _leads_nowhere(exc):
                 return None
             raise
-        if os.path.islink(path):  # what it leads to is no save's (not walked: /usr took 4 s)
-            return newest
         for full in walk_files(path):
             try:  # a link's own time: what it leads to is no save's, and may be unreadable
                 newest = max(newest, os.lstat(full).st_mtime)

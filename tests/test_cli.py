@@ -505,18 +505,24 @@ def test_names_from_the_checkpoint_are_printed_with_their_control_characters_esc
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A metric name, a tensor name and a leftover's name holding a terminal's escape
-    sequences (clear the screen, set the title) reached the terminal as they were."""
+    sequences (clear the screen, set the title) reached the terminal as they were, and a
+    line break in a name printed a line of its own."""
     from ckptmgr.cli import main
 
     root = tmp_path / "run"
     clear, title = "\x1b[2J", "\x1b]0;owned\x07"
     with CheckpointManager(root, 1, chkpt_on_preemption=False) as mgr:
-        mgr.save(1, {f"w{clear}": torch.ones(3)}, metrics={f"loss{title}": 0.5})
+        mgr.save(
+            1,
+            {f"w{clear}": torch.ones(3), "v\nstep 7 ok FAKE": torch.ones(2)},
+            metrics={f"loss{title}": 0.5, "acc\nFAKE-METRIC": 1.0},
+        )
     (root / f".tmp-step_000000000002-{clear}").mkdir()
     for args in (["ls", "--all", str(root)], ["inspect", str(root)], ["verify", str(root)]):
         assert main(args) == 0, args
         output = capsys.readouterr()
         assert "\x1b" not in output.out + output.err, (args, output)
+        assert not any(line.startswith(("step 7", "FAKE")) for line in output.out.splitlines())
     assert main(["ls", "--all", str(root)]) == 0
     shown = capsys.readouterr().out
     assert "loss\\x1b]0;owned\\x07=0.5" in shown and "\\x1b[2J" in shown, shown

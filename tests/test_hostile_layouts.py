@@ -337,6 +337,41 @@ def test_a_file_with_a_step_name_is_swept_once(
     ]
 
 
+LEASED_READ = """
+import sys
+from ckptmgr.local_files import open_step_file
+with open_step_file(sys.argv[1], "leased.distcp") as stream:
+    print("read", len(stream.read()))
+"""
+
+
+def test_a_step_file_under_a_kernel_lease_is_read_once_the_lease_breaks(tmp_path: Path) -> None:
+    """A file under a write lease (as Samba's oplocks and NFS delegations take them): the
+    non-blocking open that refuses FIFOs failed with BlockingIOError instead of waiting for
+    the lease to be broken, as a plain open does."""
+    import fcntl
+    import signal
+
+    from conftest import run_python
+
+    path = tmp_path / "leased.distcp"
+    path.write_bytes(b"x" * 100)
+    fd = os.open(path, os.O_RDWR)
+    set_lease = getattr(fcntl, "F_SETLEASE", 1024)
+    previous = signal.signal(signal.SIGIO, lambda *_: fcntl.fcntl(fd, set_lease, fcntl.F_UNLCK))
+    try:
+        try:
+            fcntl.fcntl(fd, set_lease, fcntl.F_WRLCK)
+        except OSError as exc:
+            pytest.skip(f"no lease on this file system: {exc}")
+        result = run_python(LEASED_READ, str(path), timeout=120)
+    finally:
+        signal.signal(signal.SIGIO, previous)
+        os.close(fd)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "read 100"
+
+
 def test_a_leftovers_age_is_its_own_not_that_of_what_its_links_lead_to(
     root: Path, tmp_path: Path
 ) -> None:
@@ -354,8 +389,12 @@ def test_a_leftovers_age_is_its_own_not_that_of_what_its_links_lead_to(
     day_ago = time.time() - 86400
     for path in (leftover / "__0_0.distcp", leftover / "link", leftover):
         os.utime(path, (day_ago, day_ago), follow_symlinks=False)
+    linked = root / ".tmp-step_000000000010-0123456789abcdef"  # a leftover that is a link
+    linked.symlink_to(outside / "new")
+    os.utime(linked, (day_ago, day_ago), follow_symlinks=False)
     CheckpointManager(root, 1, chkpt_on_preemption=False, leftover_grace_s=3600).close()
-    assert not leftover.exists() and (outside / "new").exists()
+    assert not leftover.exists() and not os.path.lexists(linked)
+    assert (outside / "new").exists()
 
 
 # -- deep trees -----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ ckptmgr notices, names the file, and never runs code from the checkpoint.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import pickle
@@ -637,15 +638,14 @@ def test_crafted_objects_file_is_refused(root: str) -> None:
         '{"__ckptmgr__": "int", "hex": "zz"}',
         '{"__ckptmgr__": "tuple", "items": 5}',
         '{"__ckptmgr__": "nothing we write"}',
-        "[" * 100_000 + "]" * 100_000,  # deeper than the recursion limit
     ],
-    ids=["unhashable key", "missing field", "bad hex", "items no list", "unknown tag", "deep"],
+    ids=["unhashable key", "missing field", "bad hex", "items no list", "unknown tag"],
 )
 def test_a_plain_value_ckptmgr_never_writes_is_damage_and_restore_latest_falls_back(
     root: str, value: str
 ) -> None:
-    """Crafted plain values raised Python's bare KeyError, TypeError, ValueError or
-    RecursionError from the restore, so restore_latest raised instead of falling back."""
+    """Crafted plain values raised Python's bare KeyError, TypeError or ValueError from the
+    restore, so restore_latest raised instead of falling back."""
     with manager(root) as mgr:
         mgr.save(1, state_of(1))
         mgr.save(2, state_of(2))
@@ -722,6 +722,23 @@ def test_verify_deep_refuses_metadata_naming_a_file_the_record_does_not_list(roo
             mgr.restore(1, empty_state())
     if not root.startswith(("gs://", "s3://", "memory://")):
         assert cli_main(["verify", "--deep", root]) == 1
+
+
+def test_plain_values_nested_too_deep_for_the_stack_are_no_damage(root: str) -> None:
+    """Nesting deeper than the recursion limit allows from the caller's stack raises
+    CheckpointError naming it, and is no damage: restore_latest quarantines nothing (how deep
+    the caller's stack is decides it; a step restorable from a shallower one was quarantined)."""
+    with manager(root) as mgr:
+        mgr.save(1, state_of(1))
+        mgr.save(2, state_of(2))
+        deep = "[" * 100_000 + "]" * 100_000
+        crafted = '{"progress": {"step": 2, "name": ' + deep + "}}"
+        forge(root, 2, "objects-rank00000.json", crafted.encode(), fix_record=True)
+        for restore in (mgr.restore_latest, functools.partial(mgr.restore, 2)):
+            with pytest.raises(CheckpointError, match="deeper than Python's recursion limit") as e:
+                restore(empty_state())
+            assert not isinstance(e.value, CorruptCheckpointError)
+        assert mgr.all_steps() == [1, 2]
 
 
 REFUSED_METADATA_CHILD = r"""

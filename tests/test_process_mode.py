@@ -582,6 +582,26 @@ def test_a_save_whose_retention_waits_for_a_hung_daemon_deletes_here_after_the_t
         assert daemon_of(mgr).pid != daemon.pid and mgr.all_steps() == [3]
 
 
+def test_a_timeout_beyond_what_a_pipe_can_wait_keeps_the_daemon(ckpt_dir: Path) -> None:
+    """collective_timeout_s of 3e6 s (valid): the wait for the daemon's answer to a call
+    raised OverflowError (a pipe waits 2,147,483 s at most), so every delete ran twice and
+    the daemon was replaced at every save (a retention policy of the user's own: the daemon
+    deletes what the training process planned)."""
+
+    class KeepTheNewest:
+        def keep(self, checkpoints: Any) -> set[int]:
+            return {max(checkpoint.step for checkpoint in checkpoints)}
+
+    with process_manager(ckpt_dir, retention=KeepTheNewest(), collective_timeout_s=3e6) as mgr:
+        daemons = []
+        for step in range(1, 4):
+            assert mgr.save_async(step, {"w": torch.full((4,), float(step))})
+            mgr.join()
+            daemons.append(daemon_of(mgr).pid)
+        assert len(set(daemons)) == 1, daemons
+        assert mgr.all_steps() == [3]
+
+
 def test_daemon_killed_during_a_save_fails_that_save_only(ckpt_dir: Path) -> None:
     """The daemon is stopped (SIGSTOP) so that the save is certainly in flight in it, then
     killed: that save fails with CheckpointError from join(); the next save gets a new daemon."""
