@@ -137,7 +137,12 @@ def _not_ckptmgrs_refusal(record: logging.LogRecord) -> bool:
     DCP's loader logs them on the root logger: every other record passes."""
     if record.module != "state_dict_loader" or not record.exc_info:
         return True
+    if _DCP_SOURCES not in os.path.normpath(record.pathname):  # (a module of the user's so named)
+        return True
     return not isinstance(record.exc_info[1], CorruptCheckpointError)
+
+
+_DCP_SOURCES = os.path.join("torch", "distributed", "checkpoint")
 
 
 logging.getLogger().addFilter(_not_ckptmgrs_refusal)  # (where DCP's loader logs them)

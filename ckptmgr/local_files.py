@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -25,6 +26,11 @@ _KINDS = {
 }
 
 
+LEASE_BREAK_WAIT_S = 90.0
+"""How long an open waits for a file's lease to be broken (the kernel breaks one its holder
+keeps after ``/proc/sys/fs/lease-break-time``, 45 s by default)."""
+
+
 class NotRegularFileError(OSError):
     """A path that should be a file is something else (a directory, a FIFO, a device)."""
 
@@ -34,12 +40,15 @@ def open_regular_file(path: str | os.PathLike[str], *, buffering: int = -1) -> B
     else raises :class:`NotRegularFileError` before a byte is read: a FIFO is opened without
     waiting for a writer (``O_NONBLOCK``), a link to ``/dev/zero`` is not read for ever, and a
     socket cannot be opened at all (``ENXIO``, an ``OSError``)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except BlockingIOError:  # a file under a lease (Samba, NFS): not waiting for it to break
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # (a regular file: waits for the break)
+    deadline = time.monotonic() + LEASE_BREAK_WAIT_S
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            break
+        except BlockingIOError:  # a file under a lease (Samba, NFS), whose break this started
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)  # (opened again without O_NONBLOCK, a FIFO put there would hang)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

@@ -11,6 +11,7 @@ import json
 import pathlib
 import pickle
 import subprocess
+import sys
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -766,6 +767,26 @@ def test_a_refused_metadata_is_reported_once_without_dcps_tracebacks(tmp_path: P
     assert "restored 1" in result.stdout
     assert "step 2 is damaged and is quarantined" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and "Falling back" not in result.stderr, result.stderr
+
+
+def test_only_dcps_own_fallback_warnings_are_filtered() -> None:
+    """The filter keys on DCP's loader module by its path: a module of the user's own named
+    state_dict_loader that logs a CorruptCheckpointError is heard."""
+    import logging
+
+    from ckptmgr.dcp_io import _not_ckptmgrs_refusal
+
+    try:
+        raise CorruptCheckpointError("step 7 is damaged")
+    except CorruptCheckpointError:
+        error = sys.exc_info()
+
+    def record(path: str) -> logging.LogRecord:
+        return logging.LogRecord("root", logging.WARNING, path, 1, "m", None, error)
+
+    dcp = str(Path(torch.__file__).parent / "distributed/checkpoint/state_dict_loader.py")
+    assert not _not_ckptmgrs_refusal(record(dcp))
+    assert _not_ckptmgrs_refusal(record("/home/user/project/state_dict_loader.py"))
 
 
 def test_cli_verify_reports_damage_with_exit_status_1(
