@@ -20,6 +20,7 @@ Report = dict[str, Any]
 # Control characters but newline and tab (C0, DEL, C1): ESC starts a terminal's escape sequences
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _CONTROL_BUT_CARRIAGE_RETURN = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_LINE_BREAKS = re.compile("[\n\r]")
 
 
 def _escaped(match: re.Match[str]) -> str:
@@ -60,7 +61,7 @@ def one_line_name(name: str) -> str:
     """``name`` (read from a checkpoint) on one line: its line breaks as ``\\xNN`` escapes, so
     that it cannot print lines of its own (the other control characters are escaped by
     :class:`PrintableStream`)."""
-    return name.replace("\n", "\\x0a").replace("\r", "\\x0d")
+    return _LINE_BREAKS.sub(_escaped, name)
 
 
 def one_line(error: BaseException) -> str:
