@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
@@ -97,6 +98,11 @@ _MARKER_IN_STEP_DIR = re.compile(f"{_STEP_DIR}/{re.escape(QUARANTINE_NAME)}")
 QUARANTINED_ASIDE_PATTERN = re.compile(rf"{_STEP_DIR}\.quarantined-([0-9]+)")
 TMP_PREFIX = ".tmp-"
 DELETING_PREFIX = ".deleting-"
+_LEFTOVER_NAME = re.compile(
+    rf"(?:{re.escape(TMP_PREFIX)}|{re.escape(DELETING_PREFIX)}){_STEP_DIR}-.+", re.DOTALL
+)
+"""The names ckptmgr gives a save being written (``.tmp-step_<N>-<save_id>``) and a step being
+deleted (``.deleting-step_<N>-<ns>``); see :func:`is_leftover_name`."""
 OBJECT_STORE_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "oss"})
 """Protocols without real directories: a "directory" is a key prefix that exists while it holds
 objects, and a rename copies every object."""
@@ -105,6 +111,13 @@ objects, and a rename copies every object."""
 def step_dir_name(step: int) -> str:
     """Directory name of ``step``: zero-padded so that names sort like numbers."""
     return f"step_{step:012d}"
+
+
+def is_leftover_name(name: str) -> bool:
+    """Whether ``name`` is one ckptmgr gives a save being written or a step being deleted: a
+    user's ``.tmp-notes.txt`` or ``.deleting-list.csv`` under the root is no leftover (the
+    sweep deleted them, matching the prefix alone)."""
+    return _LEFTOVER_NAME.fullmatch(name) is not None
 
 
 def parse_step_dir_name(name: str) -> int | None:
@@ -919,7 +932,7 @@ class CheckpointStorage:
         now = time.time()
         found = []
         for name, infos in groups.items():
-            if name.startswith((TMP_PREFIX, DELETING_PREFIX)):
+            if is_leftover_name(name):
                 pass
             elif parse_step_dir_name(name) is None:
                 continue
@@ -975,11 +988,20 @@ class CheckpointStorage:
         return removed
 
     def _is_leftover(self, name: str, full: str) -> bool:
-        if name.startswith((TMP_PREFIX, DELETING_PREFIX)):
-            return True
-        if parse_step_dir_name(name) is None:
+        """Whether the entry ``name`` of the local root (at ``full``) is what an interrupted
+        save or delete left: a directory (or a link: never followed) of a leftover's name, or a
+        step directory without a commit record. A plain file is none: ckptmgr makes none of
+        those names a file (a user's file named ``step_<N>`` was deleted)."""
+        if is_leftover_name(name):
+            pass
+        elif parse_step_dir_name(name) is None:
             return False
-        return not exists_locally(f"{full}/{RECORD_NAME}")
+        elif exists_locally(f"{full}/{RECORD_NAME}"):
+            return False
+        try:
+            return not stat.S_ISREG(os.lstat(full).st_mode)
+        except FileNotFoundError:
+            return False  # (gone meanwhile: nothing left over)
 
     def _newest_mtime(self, path: str) -> float | None:
         """The newest modification time under ``path``; None when it is gone meanwhile (a save

@@ -323,18 +323,21 @@ def test_deleting_a_linked_step_removes_the_link_only(
     assert not [path for path in root.iterdir() if path.is_symlink()]
 
 
-def test_a_file_with_a_step_name_is_swept_once(
+def test_a_file_with_a_step_name_is_left_alone(
     root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # It was renamed to .deleting-step_... and could never be removed: a warning at every start.
+    # Then it was swept as a step without its record; ckptmgr makes no such file: it is the
+    # user's, and never deleted (test_a_users_files_under_the_root_are_no_leftovers).
     (root / "step_000000000007").write_bytes(b"not a step")
     for _ in range(2):
         with caplog.at_level(logging.WARNING, logger="ckptmgr"):
             CheckpointManager(root, 1, chkpt_on_preemption=False, leftover_grace_s=0).close()
     assert "could not remove" not in caplog.text
     assert sorted(path.name for path in root.iterdir() if path.name.startswith((".", "step_"))) == [
-        step_dir(root, step).name for step in STEPS
+        step_dir(root, step).name for step in (*STEPS, 7)
     ]
+    assert (root / "step_000000000007").read_bytes() == b"not a step"
 
 
 LEASED_READ = """
@@ -395,6 +398,34 @@ def test_a_leftovers_age_is_its_own_not_that_of_what_its_links_lead_to(
     CheckpointManager(root, 1, chkpt_on_preemption=False, leftover_grace_s=3600).close()
     assert not leftover.exists() and not os.path.lexists(linked)
     assert (outside / "new").exists()
+
+
+def test_a_users_files_under_the_root_are_no_leftovers(root: Path) -> None:
+    """The sweep took every name starting with ``.tmp-`` or ``.deleting-`` for an interrupted
+    save or delete, and a file named like a step for a step without its record: a user's
+    ``.tmp-notes.txt``, ``.deleting-list.csv``, ``.tmp-my-dataset/`` and a file ``step_<N>``
+    were deleted (format.md: anything else under the root is never deleted)."""
+    day_ago = time.time() - 86400
+    users = [".tmp-notes.txt", ".deleting-list.csv", ".tmp-my-dataset", step_dir(root, 7).name]
+    for name in users:
+        if name.endswith("dataset"):
+            (root / name).mkdir()
+            (root / name / "part-0").write_bytes(b"data")
+            os.utime(root / name / "part-0", (day_ago, day_ago))
+        else:
+            (root / name).write_bytes(b"the user's")
+        os.utime(root / name, (day_ago, day_ago))
+    interrupted = [".tmp-step_000000000009-0123456789abcdef", ".deleting-step_000000000001-5"]
+    for name in interrupted:
+        (root / name).mkdir()
+        (root / name / "__0_0.distcp").write_bytes(b"half")
+        for path in (root / name / "__0_0.distcp", root / name):
+            os.utime(path, (day_ago, day_ago))
+    with CheckpointManager(root, 1, chkpt_on_preemption=False, leftover_grace_s=3600) as mgr:
+        assert mgr.all_steps() == list(STEPS)
+    left = {path.name for path in root.iterdir()}
+    assert set(users) <= left, left
+    assert not set(interrupted) & left, left
 
 
 # -- deep trees -----------------------------------------------------------------------------------
