@@ -61,11 +61,12 @@ class DaemonRetention:
     listed after the commit, ``being_written`` protected, and the doomed steps deleted once
     ``confirm_owner`` (None: no lease) found the root still the job's.
 
-    ``commits_elsewhere``: how many commits the manager made itself so far (``save()`` commits
-    in the training process). A commit record this process read stays valid while its step is
-    listed, unless the step was deleted and committed again where this process did not see it:
-    the records read are read again when the count changed (a step that retention here deleted,
-    saved again by ``save()``, kept its old metrics, and KeepBest deleted the best step)."""
+    ``commits_elsewhere``: how many commits to the root the training process made so far
+    other than this daemon's (``save()``'s, another manager's on the same root). A commit
+    record this process read stays valid while its step is listed, unless the step was deleted
+    and committed again where this process did not see it: the records read are read again
+    when the count changed (a step that retention here deleted, saved again by ``save()``, kept
+    its old metrics, and KeepBest deleted the best step)."""
 
     policy: RetentionPolicy
     being_written: frozenset[int]

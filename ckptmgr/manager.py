@@ -209,9 +209,10 @@ class CheckpointManager:
             self._storage.run_local_file_work = self._save_process.run_when_idle
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
-        # Commits made in this process (in process mode: save()'s), which the daemon's own
-        # reader of commit records cannot know of (see DaemonRetention.commits_elsewhere)
-        self._commits_here = 0
+        # Commits the daemon made (process mode): the root's other commits in this process
+        # (save()'s, another manager's) are those its own reader of commit records cannot know
+        # of (see DaemonRetention.commits_elsewhere).
+        self._daemon_commits = 0
         self._preemption_claimed: int | None = None
         self._preemption_reached: int | None = None
         # Steps restore_latest found damaged, listed no more even where the quarantine marker
@@ -900,11 +901,10 @@ class CheckpointManager:
             if self._lease is not None:  # a lease found lost while writing: commit nothing
                 self._lease.check()
             self._storage.commit(request.step, write_dir, record)
-            self._commits_here += 1
-            if self._policy is not None:  # (without one, no plan reads the records)
-                self._records.remember(
-                    retention.CheckpointInfo(record.step, record.committed_at, record.metrics)
-                )
+            self._records.remember(  # (kept where a plan reads the records)
+                retention.CheckpointInfo(record.step, record.committed_at, record.metrics),
+                keep=self._policy is not None,
+            )
         except Exception as exc:
             log.error("commit of step %d failed", request.step, exc_info=exc)
             outcome = _SaveOutcome(committed=False, error=f"commit failed: {exc!r}", deleted=[])
@@ -950,7 +950,8 @@ class CheckpointManager:
             return None
         with self._lock:
             being_written = frozenset(self._in_flight | {step})
-        return DaemonRetention(policy, being_written, confirm_owner, self._commits_here)
+        elsewhere = pruning.commits_to(self._storage) - self._daemon_commits
+        return DaemonRetention(policy, being_written, confirm_owner, elsewhere)
 
     def _after_daemon_commit(
         self, request: _SaveRequest, commit: DaemonCommit, result: DaemonCommitResult
@@ -960,10 +961,11 @@ class CheckpointManager:
         step = request.step
         if result.moved_aside:
             log_moved_aside(step, commit.aside)
-        if self._policy is not None:  # (without one, no plan reads the records)
-            self._records.remember(
-                retention.CheckpointInfo(step, result.committed_at, request.metrics)
-            )
+        self._daemon_commits += 1
+        self._records.remember(  # (kept where a plan reads the records)
+            retention.CheckpointInfo(step, result.committed_at, request.metrics),
+            keep=self._policy is not None,
+        )
         if commit.retention is None:
             return self._plan_after_commit(step, result.listed)
         if result.planning_error is not None:
@@ -1002,10 +1004,11 @@ class CheckpointManager:
             step,
             error,
         )
-        if self._policy is not None:
-            self._records.remember(
-                retention.CheckpointInfo(step, record.committed_at, dict(record.metrics))
-            )
+        self._daemon_commits += 1
+        self._records.remember(
+            retention.CheckpointInfo(step, record.committed_at, dict(record.metrics)),
+            keep=self._policy is not None,
+        )
         return True
 
     def _plan_after_commit(self, step: int, listed: list[int] | None) -> _SaveOutcome:

@@ -8,6 +8,9 @@ restart and over steps written by other runs or processes.
 from __future__ import annotations
 
 import logging
+import os
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -37,23 +40,70 @@ class RetentionPlan:
         return sorted(d.step for d in self.decisions if not d.kept)
 
 
+_COMMITS_BY_ROOT: Counter[str] = Counter()
+"""How many commits this process's managers made, by root (:func:`root_key`): their own and
+their checkpoint daemons'."""
+_COMMITS_LOCK = threading.Lock()
+
+
+def root_key(storage: CheckpointStorage) -> str:
+    """One name per root: a local root reached through a link is the same root."""
+    if storage.is_local:
+        return os.path.realpath(storage.root)
+    return storage.url_for(storage.root)
+
+
+def commits_to(storage: CheckpointStorage) -> int:
+    """How many commits this process's managers made to ``storage``'s root so far."""
+    with _COMMITS_LOCK:
+        return _COMMITS_BY_ROOT[root_key(storage)]
+
+
 @dataclass
 class RecordReader:
     """Reads the retention-relevant part of commit records, each committed record once.
 
     A commit record never changes once written, so what was read for a step stays valid for as
-    long as that step is listed.
+    long as that step is listed, unless the step was deleted and committed again meanwhile
+    unseen: by another manager of this process on the same root (where managers share the
+    owner lease), whose commits this reader counts (:meth:`remember`); what it read is then
+    read again. (Another process does not write the root while this one holds its lease.)
     """
 
     storage: CheckpointStorage
     _cache: dict[int, CheckpointInfo] = field(default_factory=dict)
+    _key: str = ""
+    _commits_seen: int = 0
 
-    def remember(self, info: CheckpointInfo) -> None:
-        """Take what the record just committed says from memory instead of reading it back."""
-        self._cache[info.step] = info
+    def __post_init__(self) -> None:
+        self._key = root_key(self.storage)
+        self._commits_seen = commits_to(self.storage)
+
+    def remember(self, info: CheckpointInfo, *, keep: bool = True) -> None:
+        """The manager of this reader committed ``info.step``: counted for the root, and what
+        its record says is taken from memory instead of being read back (``keep`` False: not
+        kept, where nothing plans retention with this reader)."""
+        with _COMMITS_LOCK:
+            seen = _COMMITS_BY_ROOT[self._key]
+            _COMMITS_BY_ROOT[self._key] = seen + 1
+            self._check_commits(seen)
+            self._commits_seen = seen + 1
+        if keep:
+            self._cache[info.step] = info
+        else:
+            self._cache.pop(info.step, None)
+
+    def _check_commits(self, commits: int) -> None:
+        """Forget what was read if the root had commits this reader did not make (``commits``:
+        the count now)."""
+        if commits != self._commits_seen:
+            self._cache.clear()
+            self._commits_seen = commits
 
     def infos(self, steps: Iterable[int]) -> tuple[list[CheckpointInfo], dict[int, str]]:
         """The infos of ``steps``, and the steps whose record could not be read (with why)."""
+        with _COMMITS_LOCK:
+            self._check_commits(_COMMITS_BY_ROOT[self._key])
         wanted = set(steps)
         for stale in set(self._cache) - wanted:
             del self._cache[stale]

@@ -124,6 +124,30 @@ def test_a_step_deleted_and_saved_again_is_judged_by_its_new_record(
     assert _disk_steps(ckpt_dir) == [2, 4]
 
 
+@pytest.mark.parametrize("async_mode", ["thread", "process"])
+def test_a_step_saved_again_by_another_manager_of_the_process_is_judged_by_its_new_record(
+    ckpt_dir: Path, async_mode: str
+) -> None:
+    """Two managers of one process on one root (they share the owner lease): each kept the
+    record it had read of step 2 (loss 0.9) while step 2 stayed listed, after the other
+    deleted it and saved it again with loss 0.05, the best: its next save deleted the new
+    step 2 (explain_retention, reading anew, said it was kept)."""
+    policy = KeepBest(1, "loss") | KeepLatest(1)
+    with _manager(ckpt_dir, retention=policy, async_mode=async_mode) as first:
+        for step, loss in ((1, 0.1), (2, 0.9)):
+            assert first.save_async(step, _state(step), metrics={"loss": loss})
+            first.join()
+        with _manager(ckpt_dir, retention=policy) as second:
+            assert second.save(3, _state(3), metrics={"loss": 0.8})
+            assert _disk_steps(ckpt_dir) == [1, 3]  # (retention deleted 2)
+            assert second.save(2, _state(2), metrics={"loss": 0.05})  # saved again: the best
+            assert _disk_steps(ckpt_dir) == [2, 3]
+        assert first.save_async(4, _state(4), metrics={"loss": 0.7})
+        first.join()
+        assert first.all_steps() == [2, 4]
+    assert _disk_steps(ckpt_dir) == [2, 4]
+
+
 class _KeepAsReturned:
     """A user's policy that keeps the two highest steps, returned as ``convert`` makes them."""
 
