@@ -876,7 +876,10 @@ class CheckpointManager:
         """Commit if every rank wrote its part, then choose what retention deletes."""
         failed = {rank: text for rank, text in enumerate(errors) if text is not None}
         if failed:
-            described = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
+            described = "; ".join(
+                text if len(errors) == 1 else f"rank {rank}: {text}"  # (one process: no rank)
+                for rank, text in failed.items()
+            )
             return _SaveOutcome(committed=False, error=described, deleted=[]), None
         try:
             with gc_paused():  # the first save of a layout makes an entry per packed tensor
