@@ -27,7 +27,6 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, TextIO
 
 from fsspec.implementations.local import LocalFileSystem
@@ -316,7 +315,7 @@ def _add_export(commands: Subparsers, common: argparse.ArgumentParser) -> None:
         ),
     )
     sub.add_argument("step", metavar="STEP", type=parse_step)
-    sub.add_argument("output", metavar="OUT.pt", type=Path, help="local file to write")
+    sub.add_argument("output", metavar="OUT.pt", help="local file to write")
     sub.add_argument(
         "--rank",
         type=parse_rank,
@@ -761,19 +760,22 @@ def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: 
         row["unreadable"] = not isinstance(error, CorruptCheckpointError)
         return row
     step_path = storage.step_path(step)
-    problems = storage.verify_files(step_path, record, deep=deep)
     row["files"] = len(record.files)
     row["size"] = sum(entry.size for entry in record.files)
     row["checksums"] = sum(entry.crc32 is not None for entry in record.files)
-    row["problems"] = [{"path": p.path, "problem": p.problem} for p in problems]
-    if deep and not problems and any(entry.path == ".metadata" for entry in record.files):
-        try:
+    try:
+        problems = storage.verify_files(step_path, record, deep=deep)
+        row["problems"] = [{"path": p.path, "problem": p.problem} for p in problems]
+        if deep and not problems and any(entry.path == ".metadata" for entry in record.files):
             from ckptmgr.dcp_io import read_metadata_file  # (imports DCP: only here)
 
             read_metadata_file(storage.fs, step_path, [entry.path for entry in record.files])
-        except CorruptCheckpointError as error:
-            row["problems"].append({"path": ".metadata", "problem": one_line(error)})
-    row["ok"] = not row["problems"]
+    except CorruptCheckpointError as error:
+        row["problems"].append({"path": error.path or ".metadata", "problem": one_line(error)})
+    except (CheckpointError, OSError) as error:  # a file not read (no permission, say): the
+        row["error"] = one_line(error)  # steps after it are still checked (it ended verify)
+        row["unreadable"] = True
+    row["ok"] = not row["problems"] and row["error"] is None
     return row
 
 
@@ -1005,18 +1007,18 @@ def run_export(args: argparse.Namespace) -> int:
             f"--rank {args.rank} is out of range: step {args.step} was saved by "
             f"{record.world_size} rank(s)"
         )
-    check_output_path(args.output)
+    output = check_output_path(args.output, storage)
     exported = export_state(storage, record, args.rank)
-    write_torch_file(exported.state, args.output, exported.tensor_bytes)
+    write_torch_file(exported.state, output, exported.tensor_bytes)
     report = {
         "root": storage.url,
         "step": record.step,
         "rank": args.rank,
-        "output": str(args.output),
+        "output": str(output),
         "tensors": exported.tensor_count,
         "tensor_bytes": exported.tensor_bytes,
         "plain_values": exported.plain_value_count,
-        "file_size": args.output.stat().st_size,
+        "file_size": output.stat().st_size,
     }
     emit(report, args.json, render_export)
     return EXIT_OK

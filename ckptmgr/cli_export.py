@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,8 +202,21 @@ class NestedState:
         )
 
 
-def check_output_path(output: Path) -> None:
-    """Fail before any loading if ``output`` cannot be written as a file."""
+def check_output_path(given: str, storage: CheckpointStorage) -> Path:
+    """The path of the file to write, ``given`` on the command line; fails before any loading
+    if it cannot be written as a file, or lies under ``storage``'s root (export writes nothing
+    there: ``OUT.pt`` in a step directory replaced a committed file)."""
+    if given.endswith(("/", os.sep)):  # (pathlib drops it: a file was written by that name)
+        raise CheckpointError(f"{given} names a directory; give the file to write")
+    output = Path(given)
+    if storage.is_local:
+        root = os.path.realpath(storage.root)
+        where = os.path.realpath(output)
+        if where == root or where.startswith(root.rstrip(os.sep) + os.sep):
+            raise CheckpointError(
+                f"{output} is under the checkpoint root {storage.root}: export writes nothing "
+                "there (it could replace a step's own files); give a path outside it"
+            )
     if output.is_dir():
         raise CheckpointError(f"{output} is a directory; give the file to write")
     if output.exists() and not output.is_file():  # (a FIFO, a device such as /dev/null)
@@ -211,6 +226,7 @@ def check_output_path(output: Path) -> None:
         )
     if not output.parent.is_dir():
         raise CheckpointError(f"cannot write {output}: {output.parent} is not a directory")
+    return output
 
 
 def write_torch_file(state: Mapping[str, Any], output: Path, expected_bytes: int) -> None:
@@ -218,7 +234,8 @@ def write_torch_file(state: Mapping[str, Any], output: Path, expected_bytes: int
 
     ``expected_bytes`` (the tensor data) sizes the progress bar; the file is slightly larger.
     """
-    temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    # (a short name: OUT.pt's own within it went past the 255 bytes a name may have)
+    temporary = output.with_name(f".ckptmgr-export-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     try:
         with (
             progress("writing", expected_bytes, format_bytes) as bar,
@@ -231,7 +248,13 @@ def write_torch_file(state: Mapping[str, Any], output: Path, expected_bytes: int
     except (RuntimeError, OSError) as error:  # (torch.save's failed writes: RuntimeError)
         raise CheckpointError(f"cannot write {output}: {one_line(error)}") from error
     finally:
-        temporary.unlink(missing_ok=True)
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError as error:  # (not in place of the failure being raised)
+            print(
+                f"ckptmgr: warning: could not remove {temporary}: {one_line(error)}",
+                file=sys.stderr,
+            )
 
 
 class CountingWriter:

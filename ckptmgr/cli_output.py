@@ -72,11 +72,30 @@ def one_line(error: BaseException) -> str:
 def emit(report: Report, as_json: bool, render: Callable[[Report, TextIO], None]) -> None:
     """Print ``report`` as indented JSON, or with ``render`` for a person."""
     if as_json:
-        json.dump(report, sys.stdout, indent=2)
+        json.dump(_finite_numbers(report), sys.stdout, indent=2, allow_nan=False)
         sys.stdout.write("\n")
     else:
         render(report, sys.stdout)
     sys.stdout.flush()
+
+
+_NON_FINITE_NAMES = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+def _finite_numbers(value: Any) -> Any:
+    """``value`` with every float that is not finite (a NaN loss) as the string ``"NaN"``,
+    ``"Infinity"`` or ``"-Infinity"``: JSON has no such numbers, and Python's ``NaN`` tokens
+    failed strict parsers (JavaScript's) or were read as other values (jq 1.6: null, and the
+    largest float for infinity)."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else _NON_FINITE_NAMES[value]
+    if isinstance(value, dict):
+        return {key: _finite_numbers(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_numbers(item) for item in value]
+    return value
 
 
 def write_table(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 import os
 import pty
 import select
@@ -686,6 +687,91 @@ def test_export_refuses_an_output_that_is_not_a_regular_file(
         "it over the path, which would replace it; give the path of a regular file or a new one"
     )
     assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_export_refuses_an_output_under_the_root_or_named_as_a_directory(
+    source: SourceCheckpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An OUT.pt under the root was written: a step's own data file or commit record was
+    replaced (exit 0; verify found the step damaged). An OUT.pt ending in a slash was written
+    as a file of that name (pathlib drops the slash)."""
+    root = copy_root(source, tmp_path)
+    step_dir = root / f"step_{EXPORTED_STEP:012d}"
+    linked = tmp_path / "linked"
+    linked.symlink_to(root)
+    targets = [step_dir / "__0_0.distcp", step_dir / "commit.json", root / "out.pt"]
+    before = {path: path.read_bytes() for path in targets if path.exists()}
+    for output in (*targets, linked / step_dir.name / "commit.json", root):
+        assert cli.main(["export", str(root), str(EXPORTED_STEP), str(output)]) == 1, output
+        assert "is under the checkpoint root" in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in targets if path.exists()} == before
+    assert not (root / "out.pt").exists()
+    assert cli.main(["verify", str(root), "--deep"]) == 0
+    capsys.readouterr()
+    directory = tmp_path / "exports"
+    assert cli.main(["export", str(root), str(EXPORTED_STEP), f"{directory}/"]) == 1
+    assert "names a directory" in capsys.readouterr().err
+    assert not directory.exists()
+
+
+def test_export_writes_an_output_whose_name_is_as_long_as_a_name_may_be(
+    source: SourceCheckpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The temporary file's name was OUT.pt's with a prefix and a suffix: past 255 bytes for
+    a name of 248 (ENAMETOOLONG), then its cleanup failed too, in place of the message."""
+    output = tmp_path / ("m" * 252 + ".pt")
+    assert cli.main(["export", str(source.root), str(EXPORTED_STEP), str(output)]) == 0
+    capsys.readouterr()
+    exported = torch.load(output, weights_only=True)
+    assert_same(exported, source.nested_states[EXPORTED_STEP])
+    assert sorted(path.name for path in tmp_path.iterdir()) == [output.name]
+
+
+def test_json_gives_numbers_that_are_not_finite_as_strings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """NaN and infinite metrics were printed as NaN and Infinity, which are no JSON: strict
+    parsers failed, jq 1.6 read null and the largest float."""
+    root = tmp_path / "run"
+    metrics = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "loss": 0.5}
+    with CheckpointManager(root, 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"w": torch.ones(2)}, metrics=metrics)
+
+    def refuse(token: str) -> Any:
+        raise AssertionError(f"{token} is no JSON")
+
+    for command in (["ls", str(root), "--json"], ["inspect", str(root), "--json"]):
+        assert cli.main(command) == 0
+        report = json.loads(capsys.readouterr().out, parse_constant=refuse)
+        shown = report["steps"][0]["metrics"] if command[0] == "ls" else report["metrics"]
+        assert shown == {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity", "loss": 0.5}
+
+
+def test_verify_deep_reports_a_data_file_it_may_not_read_and_checks_the_other_steps(
+    source: SourceCheckpoint,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A data file that could not be opened (no permission) ended verify --deep with one
+    error line and no report: the other steps went unchecked."""
+    root = copy_root(source, tmp_path)
+    crc32_of = CheckpointStorage._crc32_of
+
+    def forbidden(self: CheckpointStorage, path: str, *args: Any) -> Any:
+        if f"step_{EXPORTED_STEP:012d}" in path:
+            raise PermissionError(13, "Permission denied", path)
+        return crc32_of(self, path, *args)
+
+    monkeypatch.setattr(CheckpointStorage, "_crc32_of", forbidden)
+    assert cli.main(["verify", str(root), "--deep", "--json"]) == 1
+    captured = capsys.readouterr()
+    rows = {row["step"]: row for row in json.loads(captured.out)["steps"]}
+    assert sorted(rows) == sorted(LOSSES)
+    assert [step for step, row in rows.items() if not row["ok"]] == [EXPORTED_STEP]
+    assert rows[EXPORTED_STEP]["unreadable"]
+    assert "Permission denied" in rows[EXPORTED_STEP]["error"]
+    assert f"step(s) that could not be read: [{EXPORTED_STEP}]" in captured.err
 
 
 def test_another_librarys_error_is_shown_as_a_warning() -> None:
