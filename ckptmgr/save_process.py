@@ -141,6 +141,8 @@ if _AsyncCheckpointProcess is not None:
 
         def __init__(self, pg_init_info: Any) -> None:
             self._made_in = os.getpid()
+            # Held from its start until the daemon ignores them (see _hold_daemon_signals)
+            self._held_signals = _hold_daemon_signals()
             try:
                 super().__init__(pg_init_info)
             except BaseException as exc:
@@ -159,6 +161,18 @@ if _AsyncCheckpointProcess is not None:
                     f"the checkpoint daemon process (pid {process.pid}) did not become ready: "
                     f"{exc}; it was killed"
                 ) from exc
+            finally:
+                self._release_signals()
+
+        def _release_signals(self) -> None:
+            """Unblock, in this thread, the signals held while the daemon was started."""
+            held, self._held_signals = self._held_signals, None
+            if held is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+        def _wait_for_response(self, timeout: float | None = None) -> Any:
+            self._release_signals()  # (DCP's first wait follows the daemon's start at once)
+            return super()._wait_for_response(timeout)
 
         def __del__(self) -> None:
             # DCP's stops the daemon; in a forked child, which inherited this object, the
@@ -174,6 +188,8 @@ if _AsyncCheckpointProcess is not None:
                 set_background_niceness(niceness)
             for signum in DAEMON_IGNORED_SIGNALS:  # process-wide, whichever thread gets one
                 signal.signal(signum, signal.SIG_IGN)
+            if hasattr(signal, "pthread_sigmask"):  # held since the start: dropped now
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, DAEMON_IGNORED_SIGNALS)
             import datetime
             import functools
 
@@ -212,6 +228,22 @@ def _main_script_spawn_cannot_read() -> str | None:
     if not os.path.isabs(path) and multiprocessing.process.ORIGINAL_DIR is not None:
         path = os.path.join(multiprocessing.process.ORIGINAL_DIR, path)
     return None if os.path.exists(path) else os.path.normpath(path)
+
+
+def _hold_daemon_signals() -> set[signal.Signals] | None:
+    """Block :data:`DAEMON_IGNORED_SIGNALS` in this thread (the one starting a daemon); returns
+    the mask to set again once the daemon is started (None where threads have no masks). A
+    spawned process starts with its parent thread's mask, and the daemon keeps them blocked
+    until it ignores them: from its start until then (seconds: it imports the main script and
+    torch) a Ctrl-C or SIGTERM sent to the process group killed it, and the save it had
+    accepted was lost. Signals to the training process reach its other threads meanwhile (the
+    main thread, where Python handles them)."""
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - Windows
+        return None
+    # Started first: a start of multiprocessing's resource tracker (by the daemon's start, the
+    # first time) blocks SIGINT and SIGTERM for its own start, then unblocks them in this thread.
+    multiprocessing.resource_tracker.ensure_running()
+    return signal.pthread_sigmask(signal.SIG_BLOCK, DAEMON_IGNORED_SIGNALS)
 
 
 def _kill_unready(process: multiprocessing.process.BaseProcess) -> None:

@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -713,6 +714,76 @@ def test_signals_to_the_whole_process_group_leave_the_daemon_and_its_save_alone(
         assert differences(target, in_flight, "step 2") == []
         mgr.close()
         assert not daemon.is_alive(), "close() no longer stops the daemon"
+
+
+GROUP_SIGNALS_AT_START_SCRIPT = r"""
+import signal, sys, torch
+from ckptmgr import CheckpointManager
+
+def main(root):
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the training process lives on
+        signal.signal(signum, lambda signum, frame: print("signal", signum, flush=True))
+    with CheckpointManager(root, 1, async_mode="process", chkpt_on_preemption=False) as mgr:
+        assert mgr.save_async(1, {"w": torch.ones(10)})  # the daemon starts on the writer
+        print("accepted", flush=True)
+        sys.stdin.readline()  # the test signals the process group meanwhile
+        mgr.join()
+        print("listed", mgr.all_steps(), flush=True)
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+"""
+
+
+def wait_for_a_child_of(pid: int, timeout_s: float = 90.0) -> None:
+    """Return once process ``pid`` has a child process (Linux: read from /proc)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                if (task / "children").read_text().split():
+                    return
+            except FileNotFoundError:  # (a thread that ended meanwhile)
+                continue
+        time.sleep(0.005)  # (polling /proc: there is nothing to wait on)
+    raise AssertionError(f"process {pid} started no child within {timeout_s} s")
+
+
+def test_signals_to_the_process_group_while_the_daemon_starts_leave_it_and_the_save_alone(
+    tmp_path: Path,
+) -> None:
+    """The daemon ignores SIGINT and SIGTERM from its entry function on, but took seconds to
+    get there (importing the main script and torch): a Ctrl-C or a scheduler's SIGTERM to the
+    process group meanwhile killed it, and the first save, accepted, was lost."""
+    script = tmp_path / "group_signals.py"
+    script.write_text(GROUP_SIGNALS_AT_START_SCRIPT)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "c")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        start_new_session=True,
+    )
+    try:
+        assert process.stdout is not None and process.stdin is not None
+        ready, _, _ = select.select([process.stdout], [], [], 90)
+        assert ready, "no line from the script within 90 s"
+        assert process.stdout.readline() == "accepted\n"
+        wait_for_a_child_of(process.pid)  # the daemon, spawned: seconds from ready
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            os.killpg(process.pid, signum)
+        process.stdin.write("go on\n")
+        process.stdin.flush()
+        out, err = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 0, out + err
+    assert "listed [1]" in out, out + err
+    assert "Traceback" not in err, err
 
 
 # -- 4. close() stops the daemon -------------------------------------------------------------------
