@@ -982,7 +982,7 @@ def raise_interruption(error: BaseException) -> None:
     (``CheckpointError``), which a training script may well catch and carry on after."""
     first = _first_failure(error)
     if first is not error and isinstance(first, (KeyboardInterrupt, SystemExit)):
-        raise first
+        raise first from None  # (not DCP's exception around it: 100 lines for one Ctrl-C)
 
 
 def _first_failure(error: BaseException) -> BaseException:

@@ -25,15 +25,20 @@ def gc_paused() -> Iterator[None]:
     """Disable the cyclic garbage collector for the ``with`` block (nested and concurrent
     blocks are counted; the collector resumes when the last ends, if it was enabled before)."""
     global _depth, _resume
-    with _lock:
-        if _depth == 0:
-            _resume = gc.isenabled()
-            gc.disable()
-        _depth += 1
+    counted = False
     try:
+        with _lock:
+            # Counted before any call (Python raises a Ctrl-C after calls): the collector was
+            # left disabled for good by one between gc.disable() and the count
+            counted = True
+            _depth += 1
+            if _depth == 1:
+                _resume = gc.isenabled()
+                gc.disable()
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _resume:
-                gc.enable()
+        if counted:
+            with _lock:
+                _depth -= 1
+                if _depth == 0 and _resume:
+                    gc.enable()

@@ -450,18 +450,14 @@ class CheckpointManager:
         if request is None:
             self._exit_if_preemption_answered()
             return False
-        try:
-            buffers = self._staging.acquire(on_wait=f" (step {step})")
-        except BaseException:
-            self._abandon(request)
-            raise
-        slot = [buffers]
+        slot: list[StagingBuffers] = []  # (the slot taken, released from here in any case)
 
         def release_staging() -> None:  # once: after the write, or when it fails or never runs
             if slot:
                 self._staging.release(slot.pop())
 
         try:
+            buffers = self._staging.acquire(on_wait=f" (step {step})", into=slot)
             if not self._comm.distributed:  # (there, the agreement in _stage reports it)
                 self._writer.raise_first_error()  # a save we waited for may just have failed
             request.tensors = self._stage(step, buffers, request.tensors)  # (agreed: save_async)
@@ -638,11 +634,16 @@ class CheckpointManager:
                 self._agree_before_write(step, call, exc, None)
             raise
         self._schedule.started(step, time.monotonic())
-        with self._lock:
-            self._in_flight.add(step)
-            if preempt:
-                self._preemption_claimed = step
-        return _SaveRequest(step, flat.tensors, flat.objects, checked_metrics, checked_metadata)
+        request = _SaveRequest(step, flat.tensors, flat.objects, checked_metrics, checked_metadata)
+        try:
+            with self._lock:
+                self._in_flight.add(step)
+                if preempt:
+                    self._preemption_claimed = step
+        except BaseException:  # (Ctrl-C as the lock is let go: the step stayed in flight)
+            self._abandon(request)
+            raise
+        return request
 
     def _abandon(self, request: _SaveRequest) -> None:
         """Forget an in-flight request (after its write ended or it was never queued)."""

@@ -927,8 +927,15 @@ class StagingPool:
         with self._cond:
             return sum(slot.nbytes for slot in self._all)
 
-    def acquire(self, on_wait: str = "", timeout_s: float | None = None) -> StagingBuffers:
-        """A free buffer set, waiting (and logging how long) if all are in flight.
+    def acquire(
+        self,
+        on_wait: str = "",
+        timeout_s: float | None = None,
+        into: list[StagingBuffers] | None = None,
+    ) -> StagingBuffers:
+        """A free buffer set, waiting (and logging how long) if all are in flight; also added
+        to ``into`` as it is taken, for a caller that releases what ``into`` holds whatever
+        happens (a Ctrl-C as this call returned lost the slot, and later saves waited for it).
 
         Raises ``TimeoutError`` after ``timeout_s`` seconds (None: wait as long as it takes,
         which is until a background save's data is written: every save releases its slot then,
@@ -939,7 +946,11 @@ class StagingPool:
             if not self._wait_for(lambda: bool(self._free), timeout_s, "a free slot" + on_wait):
                 raise TimeoutError(f"no free staging slot within {timeout_s} s{on_wait}")
             # The most recently released slot first: its arena is likeliest to fit this state.
-            slot = self._free.pop()
+            # (Taken without a call, then handed over: Python raises a Ctrl-C after calls.)
+            slot = self._free[-1]
+            del self._free[-1]
+            if into is not None:
+                into.append(slot)
         waited = time.perf_counter() - started
         if waited > 0.001:
             log.info("waited %.3f s for a free async save slot%s", waited, on_wait)

@@ -1333,3 +1333,78 @@ def test_a_transient_failure_to_read_the_lease_before_a_retention_delete_is_retr
         assert [error.errno for error in flaky.faults.raised] == [errno.ECONNRESET]
         manager.join()
         assert manager.all_steps() == [2]
+
+
+class _CtrlCAfterExit:
+    """The manager's lock, raising a real SIGINT as it is let go while ``fire()`` says so."""
+
+    def __init__(self, lock: Any, fire: Any) -> None:
+        self._lock, self._fire = lock, fire
+
+    def __enter__(self) -> Any:
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: object) -> Any:
+        released = self._lock.__exit__(*exc)
+        if self._fire():
+            signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
+        return released
+
+
+def _save_async_in_time(manager: CheckpointManager, step: int, state: Any) -> bool | None:
+    """``save_async(step)`` then ``join()`` on a thread: what it returned, or None if it had
+    not returned within 60 s (waiting for a staging slot no save will release)."""
+    done: dict[str, bool] = {}
+
+    def save() -> None:
+        done["saved"] = manager.save_async(step, state)
+        manager.join()
+
+    thread = threading.Thread(target=save, daemon=True)
+    thread.start()
+    thread.join(60)
+    return done.get("saved")
+
+
+def test_a_ctrl_c_as_save_async_marks_its_step_in_flight_leaves_no_mark(tmp_path: Path) -> None:
+    """A Ctrl-C right after the step was marked in flight (as the lock was let go) left it
+    marked: a script that caught the KeyboardInterrupt and saved that step again got False
+    ("already being saved"), and a preemption notice claimed there was never answered."""
+    state = {"w": torch.arange(100, dtype=torch.float32)}
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as manager:
+        armed = [True]
+
+        def fire() -> bool:
+            if armed and 1 in manager._in_flight:
+                armed.pop()
+                return True
+            return False
+
+        manager._lock = _CtrlCAfterExit(manager._lock, fire)  # type: ignore[assignment]
+        with pytest.raises(KeyboardInterrupt):
+            manager.save_async(1, state)
+        assert not armed, "the lock was not let go with step 1 in flight"
+        assert _save_async_in_time(manager, 1, state) is True
+        assert manager.all_steps() == [1]
+
+
+def test_a_ctrl_c_as_save_async_takes_its_staging_slot_leaves_the_slot_free(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C as save_async took its staging slot (as the pool's call returned) lost the
+    slot: with max_pending_async=1 the next save_async waited for it for ever."""
+    state = {"w": torch.arange(100, dtype=torch.float32)}
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as manager:
+        acquire = manager._staging.acquire
+
+        def acquire_then_ctrl_c(*args: Any, **kwargs: Any) -> Any:
+            taken = acquire(*args, **kwargs)
+            signal.raise_signal(signal.SIGINT)
+            return taken
+
+        manager._staging.acquire = acquire_then_ctrl_c  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            manager.save_async(1, state)
+        manager._staging.acquire = acquire  # type: ignore[method-assign]
+        assert _save_async_in_time(manager, 2, state) is True
+        assert manager.all_steps() == [2]

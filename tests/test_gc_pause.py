@@ -84,3 +84,36 @@ def test_save_and_restore_leave_the_collector_as_they_found_it(tmp_path: Path) -
             mgr.restore(2, {**state, "missing": torch.zeros(1)})
         assert gc.isenabled()
     assert len(seen) >= 3 and not any(seen)  # paused while ckptmgr walked the state
+
+
+def test_a_ctrl_c_as_the_collector_is_disabled_leaves_it_enabled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C between ``gc.disable()`` and the count of open pauses (Python raises it after a
+    call) left the collector disabled for good: a notebook or a script that caught the
+    KeyboardInterrupt and went on grew without bound on its cyclic garbage."""
+    import signal
+
+    from ckptmgr import gc_pause
+
+    armed = [True]
+
+    class DisableThenCtrlC:
+        def __getattr__(self, name: str) -> object:
+            return getattr(gc, name)
+
+        def disable(self) -> None:
+            gc.disable()
+            # (once, here: not in a background thread of another test's manager)
+            if armed and threading.current_thread() is threading.main_thread():
+                armed.pop()
+                signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
+
+    monkeypatch.setattr(gc_pause, "gc", DisableThenCtrlC())
+    with pytest.raises(KeyboardInterrupt), gc_paused():
+        pass
+    assert not armed
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
