@@ -28,13 +28,15 @@ def gc_paused() -> Iterator[None]:
     counted = False
     try:
         with _lock:
-            # Counted before any call (Python raises a Ctrl-C after calls): the collector was
-            # left disabled for good by one between gc.disable() and the count
-            counted = True
-            _depth += 1
-            if _depth == 1:
-                _resume = gc.isenabled()
+            # Python raises a Ctrl-C after a call: one between gc.disable() and the count left
+            # the collector disabled for good. So the state is whole after each call: nothing
+            # changed after isenabled(), the count and what to resume set before disable().
+            if _depth == 0:
+                enabled = gc.isenabled()
+                _resume, _depth, counted = enabled, 1, True
                 gc.disable()
+            else:
+                _depth, counted = _depth + 1, True
         yield
     finally:
         if counted:

@@ -405,14 +405,14 @@ class CheckpointManager:
         if request is None:
             self._exit_if_preemption_answered()
             return False
-        wait_for_queued_work(request.tensors.values())  # the writer thread reads them
-        if self._comm.distributed:
-            try:
-                self._agree_before_write(step, "save", None, None)
-            except BaseException:
-                self._abandon(request)
-                raise
         handover = FailureHandover(self._writer)
+        try:  # (a Ctrl-C in a device's synchronize, say, leaves no step marked in flight)
+            wait_for_queued_work(request.tensors.values())  # the writer thread reads them
+            if self._comm.distributed:
+                self._agree_before_write(step, "save", None, None)
+        except BaseException:
+            self._abandon(request)
+            raise
         future = self._writer.submit(
             f"save of step {step}",
             lambda: self._write(request),

@@ -1408,3 +1408,31 @@ def test_a_ctrl_c_as_save_async_takes_its_staging_slot_leaves_the_slot_free(
         manager._staging.acquire = acquire  # type: ignore[method-assign]
         assert _save_async_in_time(manager, 2, state) is True
         assert manager.all_steps() == [2]
+
+
+def test_a_ctrl_c_as_save_waits_for_the_devices_leaves_no_step_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save() waits for work queued on the state's devices (a CUDA synchronize, right after a
+    training step) once the step is marked in flight: a Ctrl-C there left it marked, and
+    save() of that step again returned False ("already being saved")."""
+    from ckptmgr import manager as manager_module
+
+    wait = manager_module.wait_for_queued_work
+    armed = [True]
+
+    def wait_then_ctrl_c(*args: Any, **kwargs: Any) -> Any:
+        waited = wait(*args, **kwargs)
+        if armed and threading.current_thread() is threading.main_thread():
+            armed.pop()
+            signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
+        return waited
+
+    monkeypatch.setattr(manager_module, "wait_for_queued_work", wait_then_ctrl_c)
+    state = {"w": torch.arange(100, dtype=torch.float32)}
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as manager:
+        with pytest.raises(KeyboardInterrupt):
+            manager.save(1, state)
+        assert not armed
+        assert manager.save(1, state)
+        assert manager.all_steps() == [1]

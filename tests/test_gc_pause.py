@@ -117,3 +117,41 @@ def test_a_ctrl_c_as_the_collector_is_disabled_leaves_it_enabled(
     with gc_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+def test_a_ctrl_c_as_the_collector_is_asked_about_leaves_it_as_the_user_set_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the count taken before ``gc.isenabled()``, a Ctrl-C as that call returned resumed
+    the collector by an earlier pause's answer: one the user had turned off came back on."""
+    import signal
+
+    from ckptmgr import gc_pause
+
+    with gc_paused():  # an earlier pause, made with the collector on
+        pass
+    armed = [True]
+
+    class AskThenCtrlC:
+        def __getattr__(self, name: str) -> object:
+            return getattr(gc, name)
+
+        def isenabled(self) -> bool:
+            enabled = gc.isenabled()
+            if armed and threading.current_thread() is threading.main_thread():
+                armed.pop()
+                signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
+            return enabled
+
+    gc.disable()  # the user's
+    try:
+        monkeypatch.setattr(gc_pause, "gc", AskThenCtrlC())
+        with pytest.raises(KeyboardInterrupt), gc_paused():
+            pass
+        assert not armed
+        assert not gc.isenabled()
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
