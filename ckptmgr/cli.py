@@ -52,6 +52,7 @@ from ckptmgr.cli_output import (
     write_table,
 )
 from ckptmgr.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+from ckptmgr.integrity import FileProblem
 from ckptmgr.pruning import RecordReader, delete_steps, plan
 from ckptmgr.record import CommitRecord
 from ckptmgr.retention import (
@@ -763,8 +764,9 @@ def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: 
     row["files"] = len(record.files)
     row["size"] = sum(entry.size for entry in record.files)
     row["checksums"] = sum(entry.crc32 is not None for entry in record.files)
+    unreadable: list[FileProblem] = []  # (no permission, say: the other files are checked)
     try:
-        problems = storage.verify_files(step_path, record, deep=deep)
+        problems = storage.verify_files(step_path, record, deep=deep, unreadable=unreadable)
         row["problems"] = [{"path": p.path, "problem": p.problem} for p in problems]
         if deep and not problems and any(entry.path == ".metadata" for entry in record.files):
             from ckptmgr.dcp_io import read_metadata_file  # (imports DCP: only here)
@@ -772,9 +774,14 @@ def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: 
             read_metadata_file(storage.fs, step_path, [entry.path for entry in record.files])
     except CorruptCheckpointError as error:
         row["problems"].append({"path": error.path or ".metadata", "problem": one_line(error)})
-    except (CheckpointError, OSError) as error:  # a file not read (no permission, say): the
-        row["error"] = one_line(error)  # steps after it are still checked (it ended verify)
-        row["unreadable"] = True
+    except (CheckpointError, OSError) as error:  # (the listing of the step's files, say)
+        unreadable.append(FileProblem("", one_line(error)))
+    if unreadable:  # not read: the step is called unreadable, unless damage was found too
+        row["error"] = "; ".join(
+            f"{problem.path}: {problem.problem}" if problem.path else problem.problem
+            for problem in unreadable
+        )
+        row["unreadable"] = not row["problems"]
     row["ok"] = not row["problems"] and row["error"] is None
     return row
 
@@ -789,7 +796,9 @@ def render_verify(report: Report, out: TextIO) -> None:
         return
     rows = []
     for row in report["steps"]:
-        if row["error"]:
+        if row["problems"]:  # (damage found, some file perhaps not read: said below)
+            status = f"DAMAGED: {plural(len(row['problems']), 'problem')}"
+        elif row["error"]:
             status = f"{'unreadable' if row['unreadable'] else 'DAMAGED'}: {row['error']}"
         elif row["ok"]:
             status = "ok" + (" (deep)" if report["deep"] else "")
@@ -810,6 +819,8 @@ def render_verify(report: Report, out: TextIO) -> None:
         for problem in row["problems"]:
             path = one_line_name(problem["path"])
             print(f"step {row['step']}: {path} {problem['problem']}", file=out)
+        if row["problems"] and row["error"]:
+            print(f"step {row['step']}: not read: {row['error']}", file=out)
 
 
 # -- prune -----------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ckptmgr import local_glob
-from ckptmgr.errors import CheckpointError, CorruptCheckpointError
+from ckptmgr.errors import CheckpointError, CorruptCheckpointError, describe_error
 from ckptmgr.integrity import (
     Expected,
     FileProblem,
@@ -540,10 +540,18 @@ class CheckpointStorage:
         raise_problems(problems, step)
 
     def verify_files(
-        self, step_path: str, record: CommitRecord, *, deep: bool
+        self,
+        step_path: str,
+        record: CommitRecord,
+        *,
+        deep: bool,
+        unreadable: list[FileProblem] | None = None,
     ) -> list[FileProblem]:
         """Every problem of the files of ``record`` in ``step_path``: missing files and sizes,
-        and with ``deep`` the CRC-32 of every file (each file is read once)."""
+        and with ``deep`` the CRC-32 of every file (each file is read once). A file that cannot
+        be read for a reason that says nothing of the checkpoint (an ``OSError``: no permission,
+        say) raises, or where ``unreadable`` is given is added to it and the others are still
+        checked."""
         try:
             expected = expected_files(record.files, step=record.step)
         except CorruptCheckpointError as exc:
@@ -564,6 +572,11 @@ class CheckpointStorage:
                 continue
             except CorruptCheckpointError as exc:  # (a remote file ends before its size)
                 problems.append(FileProblem(name, f"does not match its record: {exc}"))
+                continue
+            except OSError as exc:
+                if unreadable is None:
+                    raise
+                unreadable.append(FileProblem(name, describe_error(exc) or ""))
                 continue
             try:
                 check_content(name, expected, size, crc)

@@ -772,6 +772,28 @@ def test_verify_deep_reports_a_data_file_it_may_not_read_and_checks_the_other_st
     assert rows[EXPORTED_STEP]["unreadable"]
     assert "Permission denied" in rows[EXPORTED_STEP]["error"]
     assert f"step(s) that could not be read: [{EXPORTED_STEP}]" in captured.err
+    # Damage found in one file is reported though another file could not be read (the
+    # step was called unreadable alone: not damaged).
+    data = next((root / f"step_{EXPORTED_STEP:012d}").glob("*.distcp"))
+    damaged = bytearray(data.read_bytes())
+    damaged[-1] ^= 0xFF
+    data.write_bytes(bytes(damaged))
+
+    def forbidden_objects(self: CheckpointStorage, path: str, *args: Any) -> Any:
+        if f"step_{EXPORTED_STEP:012d}" in path and path.endswith(".json"):
+            raise PermissionError(13, "Permission denied", path)
+        return crc32_of(self, path, *args)
+
+    monkeypatch.setattr(CheckpointStorage, "_crc32_of", forbidden_objects)
+    assert cli.main(["verify", str(root), "--deep", "--json"]) == 1
+    captured = capsys.readouterr()
+    row = {row["step"]: row for row in json.loads(captured.out)["steps"]}[EXPORTED_STEP]
+    assert [problem["path"] for problem in row["problems"]] == [data.name]
+    assert not row["unreadable"] and "Permission denied" in row["error"]
+    assert f"damaged step(s): [{EXPORTED_STEP}]" in captured.err
+    assert cli.main(["verify", str(root), "--deep"]) == 1
+    shown = capsys.readouterr().out
+    assert f"step {EXPORTED_STEP}: not read: " in shown, shown
 
 
 def test_another_librarys_error_is_shown_as_a_warning() -> None:
