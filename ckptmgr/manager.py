@@ -204,6 +204,8 @@ class CheckpointManager:
         self._lease: OwnerLease | None = opened.lease
         self._committed: set[int] = set(opened.committed)
         self._records = pruning.RecordReader(self._storage)
+        if not config.read_only:
+            self._records.join_writers()
         self._restorer = StepRestorer(self._storage, self._comm)
         if self._save_process is not None:
             self._storage.run_local_file_work = self._save_process.run_when_idle
@@ -952,6 +954,8 @@ class CheckpointManager:
             return None
         if self._lease is not None and confirm_owner is None:  # (a lease off the local disk)
             return None
+        if self._records.others_write():  # their commits during the daemon's write: unseen
+            return None  # there (it judged a step saved again by its old record); seen here
         with self._lock:
             being_written = frozenset(self._in_flight | {step})
         elsewhere = pruning.commits_to(self._storage) - self._daemon_commits
@@ -1109,7 +1113,7 @@ class CheckpointManager:
         manager that is still referenced held a copy of the state), lease, preemption sources
         (last: a signal that arrives meanwhile is still caught, see
         :meth:`_warn_of_unanswered_notice`)."""
-        releases: list[Callable[[], None]] = [self._save_plans.forget]
+        releases: list[Callable[[], None]] = [self._save_plans.forget, self._records.leave_writers]
         if self._save_process is not None:
             releases.append(self._save_process.close)  # (it holds staged views too)
         releases.append(self._staging.free_all)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -59,7 +60,11 @@ def commits_to(storage: CheckpointStorage) -> int:
         return _COMMITS_BY_ROOT[root_key(storage)]
 
 
-@dataclass
+_WRITERS_BY_ROOT: dict[str, weakref.WeakSet[RecordReader]] = {}
+"""The readers of the managers of this process that write to a root, by root."""
+
+
+@dataclass(eq=False)
 class RecordReader:
     """Reads the retention-relevant part of commit records, each committed record once.
 
@@ -92,6 +97,26 @@ class RecordReader:
             self._cache[info.step] = info
         else:
             self._cache.pop(info.step, None)
+
+    def join_writers(self) -> None:
+        """Count this reader's manager among the managers of this process that write to its
+        root, until :meth:`leave_writers` (or until it is collected)."""
+        with _COMMITS_LOCK:
+            _WRITERS_BY_ROOT.setdefault(self._key, weakref.WeakSet()).add(self)
+
+    def leave_writers(self) -> None:
+        """No longer count this reader's manager among the root's writers (it closed)."""
+        with _COMMITS_LOCK:
+            writers = _WRITERS_BY_ROOT.get(self._key)
+            if writers is not None:
+                writers.discard(self)
+
+    def others_write(self) -> bool:
+        """Whether another manager of this process writes to this reader's root now (then a
+        checkpoint daemon, which plans after its write, cannot know of commits made meanwhile:
+        see :meth:`ckptmgr.manager.CheckpointManager` retention in process mode)."""
+        with _COMMITS_LOCK:
+            return any(reader is not self for reader in _WRITERS_BY_ROOT.get(self._key, ()))
 
     def _check_commits(self, commits: int) -> None:
         """Forget what was read if the root had commits this reader did not make (``commits``:

@@ -148,6 +148,79 @@ def test_a_step_saved_again_by_another_manager_of_the_process_is_judged_by_its_n
     assert _disk_steps(ckpt_dir) == [2, 4]
 
 
+OTHER_MANAGER_DURING_THE_DAEMONS_WRITE = r"""
+import os, sys, time
+import torch
+
+GATE, ENTERED = sys.argv[2] + "/gate", sys.argv[2] + "/entered"
+
+
+def wait_for(path):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):  # (a file another process makes: nothing to wait on)
+        assert time.monotonic() < deadline, f"no {path} within 60 s"
+        time.sleep(0.01)
+
+
+if __name__ == "__mp_main__":  # the daemon: its third save waits for the gate
+    import ckptmgr.daemon_save as daemon_save
+
+    real, calls = daemon_save.save_in_daemon, []
+
+    def gated(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            open(ENTERED, "w").close()
+            wait_for(GATE)
+        return real(*args, **kwargs)
+
+    daemon_save.save_in_daemon = gated
+
+from ckptmgr import CheckpointManager, KeepBest, KeepLatest
+
+if __name__ == "__main__":
+    root = sys.argv[1]
+    policy = KeepBest(1, "loss") | KeepLatest(1)
+
+    def make(**kwargs):
+        return CheckpointManager(
+            root, 1, chkpt_on_preemption=False, retention=policy, **kwargs
+        )
+
+    def state(value):
+        return {"w": torch.full((4,), float(value))}
+
+    with make(async_mode="process") as first:
+        for step, loss in ((1, 0.1), (2, 0.9)):
+            assert first.save_async(step, state(step), metrics={"loss": loss})
+            first.join()
+        with make() as second:
+            assert first.save_async(4, state(4), metrics={"loss": 0.7})
+            wait_for(ENTERED)  # the daemon writes step 4 (its retention planned after)
+            assert second.save(3, state(3), metrics={"loss": 0.8})  # deletes 2
+            assert second.save(2, state(2), metrics={"loss": 0.05})  # the best now
+            open(GATE, "w").close()
+            first.join()
+        print("listed", first.all_steps())
+"""
+
+
+def test_a_step_saved_again_by_another_manager_during_the_daemons_write_is_judged_anew(
+    tmp_path: Path,
+) -> None:
+    """The daemon plans retention after its write, with what the training process knew when
+    the save began: another manager of the process that deleted step 2 and saved it again
+    (the best) during that write was unseen, and the daemon deleted the new step 2. While
+    another manager writes to the root, retention is planned in the training process."""
+    from conftest import run_python
+
+    script = tmp_path / "two_managers.py"  # (a file: the daemon imports the main script)
+    script.write_text(OTHER_MANAGER_DURING_THE_DAEMONS_WRITE)
+    result = run_python(script, str(tmp_path / "run"), str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "listed [2, 4]" in result.stdout, result.stdout + result.stderr
+
+
 class _KeepAsReturned:
     """A user's policy that keeps the two highest steps, returned as ``convert`` makes them."""
 
