@@ -14,7 +14,8 @@ state costs one allocation.
   The layout (the views into the arena) is cached and rebuilt only when the state's structure
   (keys, shapes, dtypes, devices, storage sharing) changes.
 * **Shape changes.** A new layout reuses the arena when it fits and uses at least half of it;
-  otherwise the arena is replaced (grown or shrunk) and the old one is freed.
+  otherwise the arena is replaced (grown or shrunk) and the old one is freed, and so are idle
+  slots' arenas that would not be kept for the new layout either.
 * **Views of one storage** (tied weights, slices of one flat parameter) are staged once: the
   covered byte range of the storage is copied into one arena region and every view is rebuilt on
   top of it with its own offset and strides. Small ones go into the pack instead, each copied
@@ -978,7 +979,17 @@ class StagingPool:
         allocates ``needed`` bytes: keep all slots within the budget. Where an idle slot's arena
         is freed for the budget and fits ``needed`` (as ``_ensure_arena`` keeps one), it is
         returned instead, for ``slot`` to stage into: with saves overlapping and a budget for
-        fewer arenas than slots, every save made (and faulted in) a new one."""
+        fewer arenas than slots, every save made (and faulted in) a new one.
+
+        Idle slots' arenas that ``needed`` bytes would not keep either (too small, or more than
+        twice as large) are freed, budget or not: each would be replaced at its next use, and
+        kept meanwhile an idle slot held the size of an older, larger state until close (four
+        times the state after it shrank to a quarter, with two slots)."""
+        with self._cond:
+            for idle in self._free:
+                arena = idle._arena
+                if idle is not slot and arena is not None and not _arena_fits(arena, needed, pin):
+                    idle.free()
         if self.budget_bytes is None:
             return None
         budget = self.budget_bytes

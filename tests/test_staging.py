@@ -924,3 +924,28 @@ def test_close_frees_the_staging_memory_of_a_manager_still_referenced(
     gc.collect()
     assert arena() is None and manager._staging.nbytes == 0
     assert manager.all_steps() == [1]
+
+
+def test_an_idle_slots_arena_that_the_new_layout_would_not_keep_is_freed() -> None:
+    """Two slots staged a large state; the state shrank to a quarter: the slot in use was
+    shrunk, but the idle one kept the large arena until close (with no budget), and with three
+    slots memory stayed at nine times the state."""
+    nbytes = 4 * 2**20
+    pool = StagingPool(2)
+    first, second = pool.acquire(timeout_s=1), pool.acquire(timeout_s=1)
+    first.stage({"x": torch.full((nbytes // 4,), 1.0)})
+    second.stage({"x": torch.full((nbytes // 4,), 2.0)})
+    pool.release(first)
+    pool.release(second)
+    assert pool.nbytes == 2 * nbytes
+    slot = pool.acquire(timeout_s=1)
+    small = torch.arange(nbytes // 16, dtype=torch.float32)
+    assert torch.equal(slot.stage({"x": small})["x"], small)
+    pool.release(slot)
+    assert slot.nbytes < nbytes / 2  # (shrunk, as before)
+    assert pool.nbytes == slot.nbytes  # the idle one's large arena is freed too
+    again = pool.acquire(timeout_s=1)
+    assert again is slot  # (the most recently released) ...
+    assert torch.equal(again.stage({"x": small + 1})["x"], small + 1)  # ... and it is kept
+    assert again.nbytes == slot.nbytes
+    pool.release(again)
