@@ -204,8 +204,6 @@ class CheckpointManager:
         self._lease: OwnerLease | None = opened.lease
         self._committed: set[int] = set(opened.committed)
         self._records = pruning.RecordReader(self._storage)
-        if not config.read_only:
-            self._records.join_writers()
         self._restorer = StepRestorer(self._storage, self._comm)
         if self._save_process is not None:
             self._storage.run_local_file_work = self._save_process.run_when_idle
@@ -243,6 +241,8 @@ class CheckpointManager:
         self._preemption_exit_code = DEFAULT_EXIT_CODE
         self._closed = False
         self._pid = os.getpid()  # a forked child must not use what belongs to this process
+        if not config.read_only:  # (made whole: counted among the root's writers until closed)
+            self._records.join_writers()
         log.info("checkpoints at %s: committed steps %s", config.path, sorted(self._committed))
 
     # -- deciding --------------------------------------------------------------------------------
