@@ -14,8 +14,8 @@ state costs one allocation.
   The layout (the views into the arena) is cached and rebuilt only when the state's structure
   (keys, shapes, dtypes, devices, storage sharing) changes.
 * **Shape changes.** A new layout reuses the arena when it fits and uses at least half of it;
-  otherwise the arena is replaced (grown or shrunk) and the old one is freed, and so are idle
-  slots' arenas that would not be kept for the new layout either.
+  otherwise the arena is replaced (grown or shrunk) and the old one is freed. An idle slot's
+  arena that the latest layout would not keep is freed once it went unused for a few saves.
 * **Views of one storage** (tied weights, slices of one flat parameter) are staged once: the
   covered byte range of the storage is copied into one arena region and every view is rebuilt on
   top of it with its own offset and strides. Small ones go into the pack instead, each copied
@@ -610,6 +610,8 @@ class StagingBuffers:
     def _ensure_arena(self, needed: int, pin: bool) -> None:
         """Keep the arena if ``needed`` fits and uses at least half of it, else replace it (with
         an idle slot's that fits, where the budget would free that one: see ``_reserve``)."""
+        if self._pool is not None:
+            self._pool.latest_layout = (needed, pin)
         if self._arena is not None and _arena_fits(self._arena, needed, pin):
             return
         old = self.nbytes
@@ -898,6 +900,11 @@ def _signature(sources: dict[str, torch.Tensor]) -> Hashable:
     return tuple(parts)
 
 
+STALE_AFTER_TAKEN = 4
+"""An idle slot's arena that the latest layout would not keep is freed once the slots were
+taken this many times per slot without it (see :meth:`StagingPool._free_stale_arenas`)."""
+
+
 class StagingPool:
     """``slots`` staging buffer sets whose host memory together stays within ``budget_bytes``.
 
@@ -921,6 +928,10 @@ class StagingPool:
         self._free: list[StagingBuffers] = list(self._all)
         self._cond = threading.Condition()
         self._freeing = False  # free_all() was called: released slots are freed
+        self._taken = 0  # slots taken so far (acquire), for the idle age of each slot
+        self._last_taken = {id(slot): 0 for slot in self._all}
+        self.latest_layout: tuple[int, bool] | None = None
+        """The bytes and pinning of the layout staged last (set by the slots)."""
 
     @property
     def nbytes(self) -> int:
@@ -952,10 +963,33 @@ class StagingPool:
             del self._free[-1]
             if into is not None:
                 into.append(slot)
+            self._taken += 1
+            self._last_taken[id(slot)] = self._taken
+            self._free_stale_arenas()
         waited = time.perf_counter() - started
         if waited > 0.001:
             log.info("waited %.3f s for a free async save slot%s", waited, on_wait)
         return slot
+
+    def _free_stale_arenas(self) -> None:
+        """Free the arenas of idle slots that the layout staged last would not keep (too small,
+        or more than twice as large) and that went unused for ``STALE_AFTER_TAKEN`` takings of
+        a slot per slot: with no budget, an idle slot held the size of an older, larger state
+        until close (nine times the state after it shrank to a ninth, with three slots). Not at
+        once: a slot unused for a few saves may be the one a state saved in turn with another
+        one (a model alone, then with its optimizer) fits. (The condition is held.)"""
+        if self.latest_layout is None:
+            return
+        needed, pin = self.latest_layout
+        unused_for = STALE_AFTER_TAKEN * len(self._all)
+        for idle in self._free:
+            arena = idle._arena
+            if (
+                arena is not None
+                and self._taken - self._last_taken[id(idle)] > unused_for
+                and not _arena_fits(arena, needed, pin)
+            ):
+                idle.free()
 
     def free_all(self) -> None:
         """Free every slot's memory (a closed manager's: its saves are done), and from now on
@@ -979,17 +1013,7 @@ class StagingPool:
         allocates ``needed`` bytes: keep all slots within the budget. Where an idle slot's arena
         is freed for the budget and fits ``needed`` (as ``_ensure_arena`` keeps one), it is
         returned instead, for ``slot`` to stage into: with saves overlapping and a budget for
-        fewer arenas than slots, every save made (and faulted in) a new one.
-
-        Idle slots' arenas that ``needed`` bytes would not keep either (too small, or more than
-        twice as large) are freed, budget or not: each would be replaced at its next use, and
-        kept meanwhile an idle slot held the size of an older, larger state until close (four
-        times the state after it shrank to a quarter, with two slots)."""
-        with self._cond:
-            for idle in self._free:
-                arena = idle._arena
-                if idle is not slot and arena is not None and not _arena_fits(arena, needed, pin):
-                    idle.free()
+        fewer arenas than slots, every save made (and faulted in) a new one."""
         if self.budget_bytes is None:
             return None
         budget = self.budget_bytes
