@@ -181,7 +181,10 @@ class DaemonCommit:
         if known is not None and known[0] == retention.commits_elsewhere:
             reader = known[1]
         else:
-            reader = pruning.RecordReader(CheckpointStorage(self.root, create=False))
+            reader = pruning.RecordReader(
+                CheckpointStorage(self.root, create=False),
+                stamp=pruning.local_record_stamp(self.root),
+            )
             _READERS[self.root] = (retention.commits_elsewhere, reader)
         reader.remember(committed)
         done = DaemonCommitResult

@@ -241,8 +241,6 @@ class CheckpointManager:
         self._preemption_exit_code = DEFAULT_EXIT_CODE
         self._closed = False
         self._pid = os.getpid()  # a forked child must not use what belongs to this process
-        if not config.read_only:  # (made whole: counted among the root's writers until closed)
-            self._records.join_writers()
         log.info("checkpoints at %s: committed steps %s", config.path, sorted(self._committed))
 
     # -- deciding --------------------------------------------------------------------------------
@@ -407,8 +405,8 @@ class CheckpointManager:
         if request is None:
             self._exit_if_preemption_answered()
             return False
-        handover = FailureHandover(self._writer)
         try:  # (a Ctrl-C in a device's synchronize, say, leaves no step marked in flight)
+            handover = FailureHandover(self._writer)
             wait_for_queued_work(request.tensors.values())  # the writer thread reads them
             if self._comm.distributed:
                 self._agree_before_write(step, "save", None, None)
@@ -954,8 +952,6 @@ class CheckpointManager:
             return None
         if self._lease is not None and confirm_owner is None:  # (a lease off the local disk)
             return None
-        if self._records.others_write():  # their commits during the daemon's write: unseen
-            return None  # there (it judged a step saved again by its old record); seen here
         with self._lock:
             being_written = frozenset(self._in_flight | {step})
         elsewhere = pruning.commits_to(self._storage) - self._daemon_commits
@@ -1113,7 +1109,7 @@ class CheckpointManager:
         manager that is still referenced held a copy of the state), lease, preemption sources
         (last: a signal that arrives meanwhile is still caught, see
         :meth:`_warn_of_unanswered_notice`)."""
-        releases: list[Callable[[], None]] = [self._save_plans.forget, self._records.leave_writers]
+        releases: list[Callable[[], None]] = [self._save_plans.forget]
         if self._save_process is not None:
             releases.append(self._save_process.close)  # (it holds staged views too)
         releases.append(self._staging.free_all)

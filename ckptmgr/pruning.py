@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ckptmgr.errors import CheckpointError, describe_error
+from ckptmgr.record import RECORD_NAME
 from ckptmgr.retention import (
     CheckpointInfo,
     RetentionDecision,
@@ -23,7 +23,7 @@ from ckptmgr.retention import (
     plan_deletions,
     plan_retention,
 )
-from ckptmgr.storage import CheckpointStorage
+from ckptmgr.storage import CheckpointStorage, step_dir_name
 
 log = logging.getLogger("ckptmgr")
 
@@ -60,11 +60,22 @@ def commits_to(storage: CheckpointStorage) -> int:
         return _COMMITS_BY_ROOT[root_key(storage)]
 
 
-_WRITERS_BY_ROOT: dict[str, weakref.WeakSet[RecordReader]] = {}
-"""The readers of the managers of this process that write to a root, by root."""
+def local_record_stamp(root: str) -> Callable[[int], object]:
+    """What identifies each step's commit record under the local ``root`` as written: its
+    inode, modification time and size (None while there is none). A step deleted and saved
+    again has a new record, in a new directory renamed into place."""
+
+    def stamp(step: int) -> object:
+        try:
+            found = os.stat(os.path.join(root, step_dir_name(step), RECORD_NAME))
+        except OSError:
+            return None
+        return (found.st_ino, found.st_mtime_ns, found.st_size)
+
+    return stamp
 
 
-@dataclass(eq=False)
+@dataclass
 class RecordReader:
     """Reads the retention-relevant part of commit records, each committed record once.
 
@@ -73,10 +84,17 @@ class RecordReader:
     unseen: by another manager of this process on the same root (where managers share the
     owner lease), whose commits this reader counts (:meth:`remember`); what it read is then
     read again. (Another process does not write the root while this one holds its lease.)
+
+    ``stamp`` (a local root's :func:`local_record_stamp`), where given, is checked for every
+    step read before: a record whose stamp changed is read again. The checkpoint daemon's
+    reader has one: it cannot count the commits of the training process (another manager's
+    during its write were unseen, and it judged a step saved again by its old record).
     """
 
     storage: CheckpointStorage
+    stamp: Callable[[int], object] | None = None
     _cache: dict[int, CheckpointInfo] = field(default_factory=dict)
+    _stamps: dict[int, object] = field(default_factory=dict)
     _key: str = ""
     _commits_seen: int = 0
 
@@ -95,28 +113,10 @@ class RecordReader:
             self._commits_seen = seen + 1
         if keep:
             self._cache[info.step] = info
+            if self.stamp is not None:
+                self._stamps[info.step] = self.stamp(info.step)
         else:
             self._cache.pop(info.step, None)
-
-    def join_writers(self) -> None:
-        """Count this reader's manager among the managers of this process that write to its
-        root, until :meth:`leave_writers` (or until it is collected)."""
-        with _COMMITS_LOCK:
-            _WRITERS_BY_ROOT.setdefault(self._key, weakref.WeakSet()).add(self)
-
-    def leave_writers(self) -> None:
-        """No longer count this reader's manager among the root's writers (it closed)."""
-        with _COMMITS_LOCK:
-            writers = _WRITERS_BY_ROOT.get(self._key)
-            if writers is not None:
-                writers.discard(self)
-
-    def others_write(self) -> bool:
-        """Whether another manager of this process writes to this reader's root now (then a
-        checkpoint daemon, which plans after its write, cannot know of commits made meanwhile:
-        see :meth:`ckptmgr.manager.CheckpointManager` retention in process mode)."""
-        with _COMMITS_LOCK:
-            return any(reader is not self for reader in _WRITERS_BY_ROOT.get(self._key, ()))
 
     def _check_commits(self, commits: int) -> None:
         """Forget what was read if the root had commits this reader did not make (``commits``:
@@ -132,6 +132,13 @@ class RecordReader:
         wanted = set(steps)
         for stale in set(self._cache) - wanted:
             del self._cache[stale]
+        stamps: dict[int, object] = {}
+        if self.stamp is not None:
+            self._stamps = {step: self._stamps.get(step) for step in self._cache}
+            for step in wanted:
+                stamps[step] = self.stamp(step)
+                if step in self._cache and stamps[step] != self._stamps[step]:
+                    del self._cache[step]  # (written again since it was read)
         unreadable: dict[int, str] = {}
         for step in sorted(wanted - set(self._cache)):
             try:
@@ -140,6 +147,8 @@ class RecordReader:
                 unreadable[step] = " ".join(str(exc).split())  # (on one line)
                 continue
             self._cache[step] = CheckpointInfo(step, record.committed_at, dict(record.metrics))
+            if self.stamp is not None:
+                self._stamps[step] = stamps[step]  # (taken before the read)
         return [self._cache[s] for s in sorted(wanted) if s in self._cache], unreadable
 
 

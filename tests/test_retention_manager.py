@@ -194,29 +194,33 @@ if __name__ == "__main__":
         for step, loss in ((1, 0.1), (2, 0.9)):
             assert first.save_async(step, state(step), metrics={"loss": loss})
             first.join()
-        with make() as second:
-            assert first.save_async(4, state(4), metrics={"loss": 0.7})
-            wait_for(ENTERED)  # the daemon writes step 4 (its retention planned after)
-            assert second.save(3, state(3), metrics={"loss": 0.8})  # deletes 2
-            assert second.save(2, state(2), metrics={"loss": 0.05})  # the best now
-            open(GATE, "w").close()
-            first.join()
+        late = sys.argv[3] == "late"
+        second = None if late else make()
+        assert first.save_async(4, state(4), metrics={"loss": 0.7})
+        wait_for(ENTERED)  # the daemon writes step 4 (its retention planned after)
+        second = second or make()
+        assert second.save(3, state(3), metrics={"loss": 0.8})  # deletes 2
+        assert second.save(2, state(2), metrics={"loss": 0.05})  # the best now
+        open(GATE, "w").close()
+        first.join()
+        second.close()
         print("listed", first.all_steps())
 """
 
 
+@pytest.mark.parametrize("second", ["before", "late"])
 def test_a_step_saved_again_by_another_manager_during_the_daemons_write_is_judged_anew(
-    tmp_path: Path,
+    tmp_path: Path, second: str
 ) -> None:
     """The daemon plans retention after its write, with what the training process knew when
-    the save began: another manager of the process that deleted step 2 and saved it again
-    (the best) during that write was unseen, and the daemon deleted the new step 2. While
-    another manager writes to the root, retention is planned in the training process."""
+    the save began: another manager of the process (made before that write, or during it)
+    that deleted step 2 and saved it again (the best) during the write was unseen, and the
+    daemon deleted the new step 2. The daemon reads a record again when its file changed."""
     from conftest import run_python
 
     script = tmp_path / "two_managers.py"  # (a file: the daemon imports the main script)
     script.write_text(OTHER_MANAGER_DURING_THE_DAEMONS_WRITE)
-    result = run_python(script, str(tmp_path / "run"), str(tmp_path))
+    result = run_python(script, str(tmp_path / "run"), str(tmp_path), second)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "listed [2, 4]" in result.stdout, result.stdout + result.stderr
 
