@@ -768,7 +768,8 @@ def verify_step(storage: CheckpointStorage, step: int, deep: bool, quarantined: 
     try:
         problems = storage.verify_files(step_path, record, deep=deep, unreadable=unreadable)
         row["problems"] = [{"path": p.path, "problem": p.problem} for p in problems]
-        if deep and not problems and any(entry.path == ".metadata" for entry in record.files):
+        metadata_listed = any(entry.path == ".metadata" for entry in record.files)
+        if deep and not problems and not unreadable and metadata_listed:
             from ckptmgr.dcp_io import read_metadata_file  # (imports DCP: only here)
 
             read_metadata_file(storage.fs, step_path, [entry.path for entry in record.files])

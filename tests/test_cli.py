@@ -29,7 +29,7 @@ import torch
 from conftest import REPO, listed_table, run_python
 from torch import nn
 
-from ckptmgr import CheckpointManager, PerRank, cli, objects
+from ckptmgr import CheckpointManager, PerRank, cli, dcp_io, objects
 from ckptmgr.cli import parse_storage_option
 from ckptmgr.cli_export import NestedState, tensors_for_rank, unescape_key
 from ckptmgr.errors import CheckpointError
@@ -764,6 +764,14 @@ def test_verify_deep_reports_a_data_file_it_may_not_read_and_checks_the_other_st
         return crc32_of(self, path, *args)
 
     monkeypatch.setattr(CheckpointStorage, "_crc32_of", forbidden)
+    read_metadata_file = dcp_io.read_metadata_file
+
+    def metadata_of_a_readable_step(fs: Any, step_path: str, *args: Any) -> Any:
+        # (.metadata not read again where a file was not read: its reason was given twice)
+        assert f"step_{EXPORTED_STEP:012d}" not in step_path
+        return read_metadata_file(fs, step_path, *args)
+
+    monkeypatch.setattr(dcp_io, "read_metadata_file", metadata_of_a_readable_step)
     assert cli.main(["verify", str(root), "--deep", "--json"]) == 1
     captured = capsys.readouterr()
     rows = {row["step"]: row for row in json.loads(captured.out)["steps"]}

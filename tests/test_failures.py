@@ -1436,3 +1436,30 @@ def test_a_ctrl_c_as_save_waits_for_the_devices_leaves_no_step_in_flight(
         assert not armed
         assert manager.save(1, state)
         assert manager.all_steps() == [1]
+
+
+def test_a_ctrl_c_as_save_makes_its_failure_handover_leaves_no_step_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same, one call earlier: the handover of the save's failure was made after the step
+    was marked in flight, outside the code that unmarks it on a Ctrl-C."""
+    from ckptmgr import manager as manager_module
+
+    handover = manager_module.FailureHandover
+    armed = [True]
+
+    def handover_then_ctrl_c(*args: Any, **kwargs: Any) -> Any:
+        made = handover(*args, **kwargs)
+        if armed and threading.current_thread() is threading.main_thread():
+            armed.pop()
+            signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
+        return made
+
+    monkeypatch.setattr(manager_module, "FailureHandover", handover_then_ctrl_c)
+    state = {"w": torch.arange(100, dtype=torch.float32)}
+    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as manager:
+        with pytest.raises(KeyboardInterrupt):
+            manager.save(1, state)
+        assert not armed
+        assert manager.save(1, state)
+        assert manager.all_steps() == [1]
