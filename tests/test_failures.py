@@ -1410,52 +1410,27 @@ def test_a_ctrl_c_as_save_async_takes_its_staging_slot_leaves_the_slot_free(
         assert manager.all_steps() == [2]
 
 
-def test_a_ctrl_c_as_save_waits_for_the_devices_leaves_no_step_in_flight(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("call", ["wait_for_queued_work", "FailureHandover"])
+def test_a_ctrl_c_as_save_prepares_its_write_leaves_no_step_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
 ) -> None:
     """save() waits for work queued on the state's devices (a CUDA synchronize, right after a
-    training step) once the step is marked in flight: a Ctrl-C there left it marked, and
-    save() of that step again returned False ("already being saved")."""
+    training step), and makes the handover of its failure, once the step is marked in flight:
+    a Ctrl-C as either call returned left it marked, and save() of that step again returned
+    False ("already being saved")."""
     from ckptmgr import manager as manager_module
 
-    wait = manager_module.wait_for_queued_work
+    real = getattr(manager_module, call)
     armed = [True]
 
-    def wait_then_ctrl_c(*args: Any, **kwargs: Any) -> Any:
-        waited = wait(*args, **kwargs)
+    def call_then_ctrl_c(*args: Any, **kwargs: Any) -> Any:
+        returned = real(*args, **kwargs)
         if armed and threading.current_thread() is threading.main_thread():
             armed.pop()
             signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
-        return waited
+        return returned
 
-    monkeypatch.setattr(manager_module, "wait_for_queued_work", wait_then_ctrl_c)
-    state = {"w": torch.arange(100, dtype=torch.float32)}
-    with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as manager:
-        with pytest.raises(KeyboardInterrupt):
-            manager.save(1, state)
-        assert not armed
-        assert manager.save(1, state)
-        assert manager.all_steps() == [1]
-
-
-def test_a_ctrl_c_as_save_makes_its_failure_handover_leaves_no_step_in_flight(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same, one call earlier: the handover of the save's failure was made after the step
-    was marked in flight, outside the code that unmarks it on a Ctrl-C."""
-    from ckptmgr import manager as manager_module
-
-    handover = manager_module.FailureHandover
-    armed = [True]
-
-    def handover_then_ctrl_c(*args: Any, **kwargs: Any) -> Any:
-        made = handover(*args, **kwargs)
-        if armed and threading.current_thread() is threading.main_thread():
-            armed.pop()
-            signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
-        return made
-
-    monkeypatch.setattr(manager_module, "FailureHandover", handover_then_ctrl_c)
+    monkeypatch.setattr(manager_module, call, call_then_ctrl_c)
     state = {"w": torch.arange(100, dtype=torch.float32)}
     with CheckpointManager(tmp_path, 1, chkpt_on_preemption=False) as manager:
         with pytest.raises(KeyboardInterrupt):
