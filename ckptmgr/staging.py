@@ -285,6 +285,7 @@ class StagingBuffers:
 
     def __init__(self, pool: StagingPool | None = None, *, shared: bool = False) -> None:
         self._pool = pool
+        self._layout_bytes: tuple[int, bool] | None = None  # (bytes, pinned) of the layout
         self._shared = shared  # arenas in shared memory (async_mode="process")
         self._arena: _Arena | None = None
         self._layout: _Layout | None = None
@@ -409,6 +410,8 @@ class StagingBuffers:
         except Exception:  # (a tensor turned sparse keeps the quick signature: say so
             check_all_storable(sources)  # rather than torch's error)
             raise
+        if self._pool is not None:  # (what the idle slots' arenas are judged by)
+            self._pool.latest_layout = self._layout_bytes
         if layout.plain:
             return dict(self._out)
         if not same_dtensors:
@@ -610,8 +613,7 @@ class StagingBuffers:
     def _ensure_arena(self, needed: int, pin: bool) -> None:
         """Keep the arena if ``needed`` fits and uses at least half of it, else replace it (with
         an idle slot's that fits, where the budget would free that one: see ``_reserve``)."""
-        if self._pool is not None:
-            self._pool.latest_layout = (needed, pin)
+        self._layout_bytes = (needed, pin)
         if self._arena is not None and _arena_fits(self._arena, needed, pin):
             return
         old = self.nbytes
@@ -929,7 +931,7 @@ class StagingPool:
         self._cond = threading.Condition()
         self._freeing = False  # free_all() was called: released slots are freed
         self._taken = 0  # slots taken so far (acquire), for the idle age of each slot
-        self._last_taken = {id(slot): 0 for slot in self._all}
+        self._last_used = {id(slot): 0 for slot in self._all}  # (at its release)
         self.latest_layout: tuple[int, bool] | None = None
         """The bytes and pinning of the layout staged last (set by the slots)."""
 
@@ -964,7 +966,6 @@ class StagingPool:
             if into is not None:
                 into.append(slot)
             self._taken += 1
-            self._last_taken[id(slot)] = self._taken
             self._free_stale_arenas()
         waited = time.perf_counter() - started
         if waited > 0.001:
@@ -973,11 +974,12 @@ class StagingPool:
 
     def _free_stale_arenas(self) -> None:
         """Free the arenas of idle slots that the layout staged last would not keep (too small,
-        or more than twice as large) and that went unused for ``STALE_AFTER_TAKEN`` takings of
-        a slot per slot: with no budget, an idle slot held the size of an older, larger state
-        until close (nine times the state after it shrank to a ninth, with three slots). Not at
-        once: a slot unused for a few saves may be the one a state saved in turn with another
-        one (a model alone, then with its optimizer) fits. (The condition is held.)"""
+        or more than twice as large) and that stayed idle (since their release) for
+        ``STALE_AFTER_TAKEN`` takings of a slot per slot: with no budget, an idle slot held the
+        size of an older, larger state until close (nine times the state after it shrank to a
+        ninth, with three slots). Not at once: a slot unused for a few saves may be the one a
+        state saved in turn with another one (a model alone, then with its optimizer) fits.
+        (The condition is held.)"""
         if self.latest_layout is None:
             return
         needed, pin = self.latest_layout
@@ -986,7 +988,7 @@ class StagingPool:
             arena = idle._arena
             if (
                 arena is not None
-                and self._taken - self._last_taken[id(idle)] > unused_for
+                and self._taken - self._last_used[id(idle)] > unused_for
                 and not _arena_fits(arena, needed, pin)
             ):
                 idle.free()
@@ -1006,6 +1008,7 @@ class StagingPool:
             if self._freeing:
                 buffers.free()
             self._free.append(buffers)
+            self._last_used[id(buffers)] = self._taken  # (idle from here)
             self._cond.notify_all()
 
     def _reserve(self, slot: StagingBuffers, needed: int, old: int, pin: bool) -> _Arena | None:

@@ -953,3 +953,40 @@ def test_an_idle_slots_arena_that_the_latest_layout_would_not_keep_is_freed_in_t
     assert second.nbytes < nbytes / 2  # (shrunk at once, as before)
     assert first.nbytes == 0  # freed, unused for long
     assert pool.nbytes == second.nbytes
+
+
+def test_idle_arenas_are_judged_by_the_state_staged_last_and_aged_from_their_release() -> None:
+    """The latest layout was recorded only when a slot laid a state out anew, not when it
+    staged one with its cached layout: after a large state saved once among small ones, its
+    arena stayed for good. And a slot's idle age counted from when it was taken: the arena of a
+    large save whose write was slow was freed at the first save after its release."""
+    mib = 2**20
+    large = {"w": torch.ones(16 * mib // 4)}
+    small = {"w": torch.ones(mib // 4)}
+    pool = StagingPool(2)
+
+    def save(state: dict[str, torch.Tensor]) -> StagingBuffers:
+        slot = pool.acquire(timeout_s=1)
+        slot.stage(state)
+        return slot
+
+    first, second = save(small), save(small)  # two small saves at once: both laid out
+    pool.release(first)
+    pool.release(second)
+    large_save, small_save = save(large), save(small)  # cached layout: nothing laid out anew
+    pool.release(large_save)
+    pool.release(small_save)
+    for _ in range(STALE_AFTER_TAKEN * 2 + 2):  # then small ones alone, one at a time
+        pool.release(save(small))
+    assert large_save.nbytes == 0  # judged by the small state: freed
+    assert pool.nbytes == mib
+
+    pool = StagingPool(3)
+    slow = save(large)  # written slowly: small saves go through the other slots meanwhile
+    for _ in range(STALE_AFTER_TAKEN * 3 + 1):
+        pool.release(save(small))
+    in_flight = save(small)
+    pool.release(slow)
+    pool.release(in_flight)
+    pool.release(save(small))  # (into the slot released last)
+    assert slow.nbytes == 16 * mib  # idle since its release only: kept for now
