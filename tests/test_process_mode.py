@@ -755,16 +755,8 @@ def test_signals_to_the_process_group_while_the_daemon_starts_leave_it_and_the_s
     """The daemon ignores SIGINT and SIGTERM from its entry function on, but took seconds to
     get there (importing the main script and torch): a Ctrl-C or a scheduler's SIGTERM to the
     process group meanwhile killed it, and the first save, accepted, was lost."""
-    script = tmp_path / "group_signals.py"
-    script.write_text(GROUP_SIGNALS_AT_START_SCRIPT)
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / "c")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        start_new_session=True,
+    process = start_script(
+        tmp_path, GROUP_SIGNALS_AT_START_SCRIPT, str(tmp_path / "c"), stdin=subprocess.PIPE
     )
     try:
         assert process.stdout is not None and process.stdin is not None
@@ -959,20 +951,27 @@ def test_an_arena_view_pickles_as_its_place_in_the_arena() -> None:
         save_process._DAEMON_ARENAS.pop(token, None)
 
 
-def run_script(directory: Path, text: str, *args: str) -> tuple[int, str, str]:
-    """Run ``text`` as a script (its own file in ``directory``) in a fresh interpreter: its
-    exit status, standard output and standard error (killed after 90 s, with every process it
-    started: a forked child that hangs holds the output pipes open)."""
+def start_script(directory: Path, text: str, *args: str, **popen: Any) -> subprocess.Popen[str]:
+    """Start ``text`` as a script (its own file in ``directory``) in a fresh interpreter and a
+    session of its own, its output piped (``popen``: more of ``subprocess.Popen``'s options)."""
     script = directory / f"script_{uuid.uuid4().hex[:8]}.py"
     script.write_text(text)
-    process = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, str(script), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
         start_new_session=True,
+        **popen,
     )
+
+
+def run_script(directory: Path, text: str, *args: str) -> tuple[int, str, str]:
+    """Run ``text`` as a script (:func:`start_script`): its exit status, standard output and
+    standard error (killed after 90 s, with every process it started: a forked child that
+    hangs holds the output pipes open)."""
+    process = start_script(directory, text, *args)
     try:
         out, err = process.communicate(timeout=90)
     except subprocess.TimeoutExpired:
